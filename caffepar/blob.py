@@ -1,0 +1,67 @@
+"""Blob: an N-D array of data and one of the same shape for its gradient (diff)."""
+import numpy as np
+
+
+class Blob:
+    """Caffe's Blob. `data` and `diff` are NumPy arrays; a parameter blob's arrays are views into
+    the net's flat parameter buffers, so a reshape that changes the count is refused for them."""
+
+    __slots__ = ("data", "diff", "dtype", "is_param")
+
+    def __init__(self, shape=(), dtype=np.float32):
+        self.dtype = np.dtype(dtype)
+        self.is_param = False
+        shape = tuple(int(d) for d in shape)
+        self.data = np.zeros(shape, self.dtype)
+        self.diff = np.zeros(shape, self.dtype)
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def count(self):
+        return self.data.size
+
+    @property
+    def num_axes(self):
+        return self.data.ndim
+
+    def reshape(self, *shape):
+        """Give the blob a new shape; keep the memory when the count allows (as Caffe does)."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = shape[0]
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"blob dimensions must be >= 0, got {shape}")
+        if shape == self.data.shape:
+            return
+        count = int(np.prod(shape, dtype=np.int64))
+        if self.is_param:
+            if count != self.data.size:
+                raise ValueError(f"cannot reshape a parameter blob from {self.data.shape} to {shape}")
+            self.data = self.data.reshape(shape)
+            self.diff = self.diff.reshape(shape)
+            return
+        if count == self.data.size:
+            self.data = self.data.reshape(shape)
+            self.diff = self.diff.reshape(shape)
+        else:
+            self.data = np.zeros(shape, self.dtype)
+            self.diff = np.zeros(shape, self.dtype)
+
+    def share_data(self, other):
+        self.data = other.data
+
+    def shape_string(self):
+        return " ".join(str(d) for d in self.shape) + f" ({self.count})"
+
+    def __repr__(self):
+        return f"Blob(shape={self.shape}, dtype={self.dtype.name})"
+
+
+def canonical_axis(axis, num_axes):
+    """Caffe's CanonicalAxisIndex: negative axes count from the end."""
+    if not -num_axes <= axis < max(num_axes, 1):
+        raise ValueError(f"axis {axis} out of range for a {num_axes}-D blob")
+    return axis % num_axes if num_axes else 0

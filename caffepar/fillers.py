@@ -1,0 +1,94 @@
+"""Caffe's weight fillers, drawn from caffepar's RNG (same distributions, not Caffe's bits)."""
+import math
+
+import numpy as np
+
+from caffepar import common
+from caffepar.errors import LayerError
+
+
+def _fans(shape):
+    count = int(np.prod(shape)) if shape else 1
+    fan_in = count // shape[0] if shape and shape[0] else count
+    fan_out = count // shape[1] if len(shape) > 1 and shape[1] else count
+    return fan_in, fan_out
+
+
+def _variance_n(filler, shape):
+    fan_in, fan_out = _fans(shape)
+    norm = filler.variance_norm
+    if norm == filler.FAN_OUT:
+        return fan_out
+    if norm == filler.AVERAGE:
+        return (fan_in + fan_out) / 2.0
+    return fan_in
+
+
+def _constant(f, shape, rng):
+    return np.full(shape, f.value)
+
+
+def _uniform(f, shape, rng):
+    return rng.uniform(f.min, f.max, shape)
+
+
+def _gaussian(f, shape, rng):
+    values = rng.normal(f.mean, f.std, shape)
+    if f.sparse >= 0:
+        if len(shape) < 1 or shape[0] == 0:
+            raise ValueError("sparse gaussian filler needs a blob with at least one axis")
+        keep = f.sparse / float(shape[0])
+        values *= rng.random(shape) < keep
+    return values
+
+
+def _positive_unitball(f, shape, rng):
+    values = rng.uniform(0.0, 1.0, shape)
+    rows = values.reshape(shape[0], -1)
+    rows /= rows.sum(axis=1, keepdims=True)
+    return values
+
+
+def _xavier(f, shape, rng):
+    scale = math.sqrt(3.0 / _variance_n(f, shape))
+    return rng.uniform(-scale, scale, shape)
+
+
+def _msra(f, shape, rng):
+    std = math.sqrt(2.0 / _variance_n(f, shape))
+    return rng.normal(0.0, std, shape)
+
+
+def _bilinear(f, shape, rng):
+    if len(shape) != 4 or shape[2] != shape[3]:
+        raise ValueError("bilinear filler needs a 4-D blob with square kernels")
+    size = shape[3]
+    factor = math.ceil(size / 2.0)
+    center = (2 * factor - 1 - factor % 2) / (2.0 * factor)
+    ramp = 1.0 - np.abs(np.arange(size) / factor - center)
+    kernel = np.outer(ramp, ramp)
+    return np.broadcast_to(kernel, shape).copy()
+
+
+FILLERS = {
+    "constant": _constant,
+    "uniform": _uniform,
+    "gaussian": _gaussian,
+    "positive_unitball": _positive_unitball,
+    "xavier": _xavier,
+    "msra": _msra,
+    "bilinear": _bilinear,
+}
+
+
+def fill(filler_param, shape, dtype=np.float32, rng=None):
+    """A new array of `shape` filled as `filler_param` (a caffe FillerParameter) says."""
+    kind = filler_param.type
+    if kind not in FILLERS:
+        raise LayerError(f'unknown filler type "{kind}" (known: {", ".join(sorted(FILLERS))})')
+    shape = tuple(int(d) for d in shape)
+    try:
+        values = FILLERS[kind](filler_param, shape, rng or common.rng())
+    except ValueError as e:
+        raise LayerError(f"{kind} filler: {e}") from None
+    return np.ascontiguousarray(values, dtype=dtype)

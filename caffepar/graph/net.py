@@ -1,0 +1,390 @@
+"""Net: a Caffe network built from a NetParameter, run forward and backward.
+
+Construction reads as Caffe's Net::Init: read -> upgrade -> filter by NetState -> insert splits ->
+create and wire layers -> decide which layers need backward -> share parameters. All learnable
+parameters then live in one flat data buffer and one flat diff buffer (every parameter Blob is a
+view), so a data-parallel run can reduce every gradient with a single call.
+"""
+import os
+from collections import OrderedDict
+
+import numpy as np
+
+from caffepar.blob import Blob
+from caffepar.errors import CaffeparError, LayerError, NetError
+from caffepar.graph.passes import filter_net, insert_splits
+from caffepar.layers import create_layer
+from caffepar.proto import caffe_pb2
+from caffepar.proto.text import SourceMap, read_net_text
+from caffepar.proto.upgrade import upgrade_net
+
+TRAIN = caffe_pb2.TRAIN
+TEST = caffe_pb2.TEST
+
+
+def load_net_param(source):
+    """A NetParameter and its SourceMap from a path, prototxt text or a NetParameter."""
+    if isinstance(source, caffe_pb2.NetParameter):
+        net = caffe_pb2.NetParameter()
+        net.CopyFrom(source)
+        smap = SourceMap(path="<NetParameter>")
+        for lp in list(net.layer) + list(net.layers):
+            smap.by_name.setdefault(lp.name, None)
+    else:
+        net, smap = read_net_text(source)
+    upgraded, _notes = upgrade_net(net, source=smap.path)
+    return upgraded, smap
+
+
+class Net:
+    """A Caffe net. Attribute names follow pycaffe (`blobs`, `params`, `layers`, `inputs`,
+    `outputs`); `forward_from_to` / `backward_from_to` are Caffe's ForwardFromTo / BackwardFromTo."""
+
+    def __init__(self, source, phase=TEST, level=0, stages=(), weights=None, dtype=np.float32):
+        param, smap = load_net_param(source)
+        param.state.phase = phase
+        param.state.level = level
+        del param.state.stage[:]
+        param.state.stage.extend(stages)
+        self.source_map = smap
+        self.source_dir = os.path.dirname(os.path.abspath(smap.path)) if smap.path and \
+            not smap.path.startswith("<") else os.getcwd()
+        self.dtype = np.dtype(dtype)
+        self.phase = phase
+        self.name = param.name
+        param = insert_splits(filter_net(param, smap), smap)
+        self.param = param
+        self._build(param)
+        if weights is not None:
+            self.copy_from(weights)
+
+    # ---------------------------------------------------------------- construction
+    def _where(self, layer_param):
+        return {"path": self.source_map.path, "line": self.source_map.line_of(layer_param.name)}
+
+    def _build(self, param):
+        self.layers = []
+        self._layer_names = []
+        self.bottom_ids = []
+        self.top_ids = []
+        self.blob_list = []
+        self.blob_names = []
+        blob_index = {}
+        available = []
+        blob_need_backward = []
+        self.bottom_need_backward = []
+        self.layer_need_backward = []
+        self.input_ids = []
+        for layer_param in param.layer:
+            if not layer_param.HasField("phase"):
+                layer_param.phase = self.phase
+            where = self._where(layer_param)
+            if layer_param.propagate_down and len(layer_param.propagate_down) != len(layer_param.bottom):
+                raise NetError("propagate_down must be given either 0 or bottom_size times",
+                               layer=layer_param.name, layer_type=layer_param.type, **where)
+            layer = create_layer(layer_param, self.phase, self.dtype, where)
+            layer.net_dir = self.source_dir
+            layer_id = len(self.layers)
+            self.layers.append(layer)
+            self._layer_names.append(layer_param.name)
+            bottoms, bneed = [], []
+            need_backward = False
+            for j, name in enumerate(layer_param.bottom):
+                if name not in available:
+                    raise NetError(f'unknown bottom blob "{name}" (bottom index {j})',
+                                   layer=layer_param.name, layer_type=layer_param.type, **where)
+                bid = blob_index[name]
+                available.remove(name)
+                bottoms.append(bid)
+                nb = blob_need_backward[bid]
+                if layer_param.propagate_down:
+                    nb = bool(layer_param.propagate_down[j])
+                bneed.append(nb)
+                need_backward |= blob_need_backward[bid]
+            tops = []
+            num_top = len(layer_param.top)
+            if layer.auto_top_blobs:
+                num_top = max(num_top, layer.min_tops or 0, layer.exact_tops or 0)
+            for j in range(num_top):
+                name = layer_param.top[j] if j < len(layer_param.top) else f"(automatic){layer_id}_{j}"
+                if j < len(layer_param.bottom) and name == layer_param.bottom[j]:
+                    tops.append(blob_index[name])
+                elif name in blob_index:
+                    raise NetError(f'top blob "{name}" produced by multiple sources',
+                                   layer=layer_param.name, layer_type=layer_param.type, **where)
+                else:
+                    bid = len(self.blob_list)
+                    self.blob_list.append(Blob((), self.dtype))
+                    self.blob_names.append(name)
+                    blob_need_backward.append(False)
+                    blob_index[name] = bid
+                    tops.append(bid)
+                    if layer_param.type == "Input":
+                        self.input_ids.append(bid)
+                if name in available:
+                    available.remove(name)
+                available.append(name)
+            self.bottom_ids.append(bottoms)
+            self.top_ids.append(tops)
+            self.bottom_need_backward.append(bneed)
+            bottom_blobs = [self.blob_list[i] for i in bottoms]
+            top_blobs = [self.blob_list[i] for i in tops]
+            try:
+                layer.setup(bottom_blobs, top_blobs)
+            except CaffeparError:
+                raise
+            except (ValueError, IndexError) as e:
+                raise layer.error(str(e)) from None
+            specs = layer_param.param
+            if len(specs) > len(layer.blobs):
+                raise layer.error(f"too many param specs ({len(specs)}) for {len(layer.blobs)} "
+                                  "parameter blob(s)")
+            layer.param_propagate_down = []
+            for k in range(len(layer.blobs)):
+                lr = specs[k].lr_mult if k < len(specs) else 1.0
+                layer.param_propagate_down.append(lr != 0)
+                need_backward |= lr != 0
+            self.layer_need_backward.append(need_backward)
+            if need_backward:
+                for t in tops:
+                    blob_need_backward[t] = True
+        self._decide_backward(param, blob_need_backward)
+        self.output_ids = [blob_index[n] for n in sorted(available)]
+        self._share_params()
+        self._index()
+
+    def _decide_backward(self, param, blob_need_backward):
+        """Caffe's rule: only layers on a path to a loss run backward; force_backward overrides."""
+        under_loss, skip = set(), set()
+        for i in range(len(self.layers) - 1, -1, -1):
+            layer = self.layers[i]
+            contributes = False
+            skip_down = True
+            for j, t in enumerate(self.top_ids[i]):
+                name = self.blob_names[t]
+                if layer.loss_weights[j] or name in under_loss:
+                    contributes = True
+                if name not in skip:
+                    skip_down = False
+            if self.layer_need_backward[i] and skip_down:
+                self.layer_need_backward[i] = False
+                self.bottom_need_backward[i] = [False] * len(self.bottom_ids[i])
+            if not contributes:
+                self.layer_need_backward[i] = False
+            for j, b in enumerate(self.bottom_ids[i]):
+                if contributes:
+                    under_loss.add(self.blob_names[b])
+                else:
+                    self.bottom_need_backward[i][j] = False
+                if not self.bottom_need_backward[i][j]:
+                    skip.add(self.blob_names[b])
+        if param.force_backward:
+            for i, layer in enumerate(self.layers):
+                self.layer_need_backward[i] = True
+                self.bottom_need_backward[i] = [
+                    need or layer.allow_force_backward(j)
+                    for j, need in enumerate(self.bottom_need_backward[i])]
+                layer.param_propagate_down = [True] * len(layer.blobs)
+
+    def _share_params(self):
+        """Resolve ParamSpec names, then move every learnable blob into the flat buffers."""
+        self.learnable_params = []
+        self.param_owner = []
+        self.param_layer_index = []
+        self.lr_mults = []
+        self.decay_mults = []
+        owner_by_name = {}
+        sharers = []
+        for i, layer in enumerate(self.layers):
+            specs = layer.param.param
+            for k, blob in enumerate(layer.blobs):
+                spec = specs[k] if k < len(specs) else caffe_pb2.ParamSpec()
+                self.param_layer_index.append((i, k))
+                if spec.name and spec.name in owner_by_name:
+                    owner = owner_by_name[spec.name]
+                    self.param_owner.append(owner)
+                    sharers.append((i, k, owner, spec))
+                    continue
+                if spec.name:
+                    owner_by_name[spec.name] = len(self.param_owner)
+                self.param_owner.append(-1)
+                self.learnable_params.append(blob)
+                self.lr_mults.append([spec.lr_mult, spec.HasField("lr_mult")])
+                self.decay_mults.append([spec.decay_mult, spec.HasField("decay_mult")])
+        self.learnable_index = {}
+        li = 0
+        for n, owner in enumerate(self.param_owner):
+            if owner < 0:
+                self.learnable_index[n] = li
+                li += 1
+        total = sum(b.count for b in self.learnable_params)
+        self.param_data = np.zeros(total, self.dtype)
+        self.param_diff = np.zeros(total, self.dtype)
+        offset = 0
+        self.param_offsets = []
+        for blob in self.learnable_params:
+            n = blob.count
+            view = self.param_data[offset:offset + n].reshape(blob.shape)
+            view[...] = blob.data
+            blob.data = view
+            blob.diff = self.param_diff[offset:offset + n].reshape(blob.shape)
+            self.param_offsets.append(offset)
+            offset += n
+        for i, k, owner, spec in sharers:
+            layer = self.layers[i]
+            oi, ok = self.param_layer_index[owner]
+            owner_blob = self.layers[oi].blobs[ok]
+            mine = layer.blobs[k]
+            where = self._where(layer.param)
+            if spec.share_mode == caffe_pb2.ParamSpec.PERMISSIVE:
+                if mine.count != owner_blob.count:
+                    raise NetError(f'cannot share param "{spec.name}" owned by layer '
+                                   f'"{self._layer_names[oi]}": count mismatch, owner shape '
+                                   f"{owner_blob.shape_string()}, this layer expects "
+                                   f"{mine.shape_string()}", layer=layer.name, **where)
+            elif mine.shape != owner_blob.shape:
+                raise NetError(f'cannot share param "{spec.name}" owned by layer '
+                               f'"{self._layer_names[oi]}": shape mismatch, owner shape '
+                               f"{owner_blob.shape_string()}, this layer expects "
+                               f"{mine.shape_string()}", layer=layer.name, **where)
+            shared = Blob((), self.dtype)
+            shared.is_param = True
+            shared.data = owner_blob.data.reshape(mine.shape)
+            shared.diff = owner_blob.diff.reshape(mine.shape)
+            layer.blobs[k] = shared
+            learn = self.learnable_index[owner]
+            for store, value, has in ((self.lr_mults, spec.lr_mult, spec.HasField("lr_mult")),
+                                      (self.decay_mults, spec.decay_mult,
+                                       spec.HasField("decay_mult"))):
+                if has:
+                    if store[learn][1] and store[learn][0] != value:
+                        raise NetError(f'shared param "{spec.name}" has mismatched multipliers',
+                                       layer=layer.name, **where)
+                    store[learn] = [value, True]
+
+    def _index(self):
+        self.blobs = OrderedDict((n, self.blob_list[i]) for i, n in enumerate(self.blob_names))
+        self.layer_dict = OrderedDict(zip(self._layer_names, self.layers))
+        self.params = OrderedDict((l.name, l.blobs) for l in self.layers if l.blobs)
+        self.inputs = [self.blob_names[i] for i in self.input_ids]
+        self.outputs = [self.blob_names[i] for i in self.output_ids]
+        self.top_names = OrderedDict((self._layer_names[i], [self.blob_names[t] for t in ids])
+                                     for i, ids in enumerate(self.top_ids))
+        self.bottom_names = OrderedDict((self._layer_names[i], [self.blob_names[b] for b in ids])
+                                        for i, ids in enumerate(self.bottom_ids))
+        self.blob_loss_weights = OrderedDict((n, 0.0) for n in self.blob_names)
+        for i, layer in enumerate(self.layers):
+            for j, t in enumerate(self.top_ids[i]):
+                self.blob_loss_weights[self.blob_names[t]] = layer.loss_weights[j]
+
+    # ---------------------------------------------------------------- running
+    def _blobs_of(self, ids):
+        return [self.blob_list[i] for i in ids]
+
+    def layer_index(self, name):
+        try:
+            return self._layer_names.index(name)
+        except ValueError:
+            raise NetError(f'no layer named "{name}" in net "{self.name}"') from None
+
+    def forward_from_to(self, start=0, end=None):
+        """Run layers start..end inclusive; return the weighted loss they produce."""
+        end = len(self.layers) - 1 if end is None else end
+        loss = 0.0
+        for i in range(start, end + 1):
+            layer = self.layers[i]
+            tops = self._blobs_of(self.top_ids[i])
+            layer.forward(self._blobs_of(self.bottom_ids[i]), tops)
+            for j, top in enumerate(tops):
+                if layer.loss_weights[j]:
+                    loss += float(np.vdot(top.data, top.diff))
+        return loss
+
+    def backward_from_to(self, start=None, end=0):
+        start = len(self.layers) - 1 if start is None else start
+        for i in range(start, end - 1, -1):
+            if self.layer_need_backward[i]:
+                self.layers[i].backward(self._blobs_of(self.top_ids[i]),
+                                        self.bottom_need_backward[i],
+                                        self._blobs_of(self.bottom_ids[i]))
+
+    def forward_backward(self):
+        loss = self.forward_from_to()
+        self.backward_from_to()
+        return loss
+
+    def reshape(self):
+        for i, layer in enumerate(self.layers):
+            layer.reshape(self._blobs_of(self.bottom_ids[i]), self._blobs_of(self.top_ids[i]))
+
+    def clear_param_diffs(self):
+        self.param_diff[...] = 0
+
+    # ---------------------------------------------------------------- pycaffe API
+    def forward(self, blobs=None, start=None, end=None, **kwargs):
+        """pycaffe's Net.forward: set inputs from kwargs, run, return the output blobs' data."""
+        outputs = set(self.outputs) | set(blobs or ())
+        start_i = self.layer_index(start) if start is not None else 0
+        if end is not None:
+            end_i = self.layer_index(end)
+            outputs = set(self.top_names[end]) | set(blobs or ())
+        else:
+            end_i = len(self.layers) - 1
+        for name, value in kwargs.items():
+            if name not in self.inputs:
+                raise NetError(f'"{name}" is not an input of net "{self.name}" '
+                               f"(inputs: {', '.join(self.inputs)})")
+            value = np.asarray(value)
+            if value.shape[:1] != self.blobs[name].shape[:1]:
+                raise NetError(f'input "{name}" has batch {value.shape[:1]}, the net expects '
+                               f"{self.blobs[name].shape[:1]}; reshape the blob first")
+            self.blobs[name].data[...] = value
+        self.forward_from_to(start_i, end_i)
+        return {name: self.blobs[name].data for name in sorted(outputs)}
+
+    def backward(self, diffs=None, start=None, end=None, **kwargs):
+        """pycaffe's Net.backward: set output diffs from kwargs, run, return the input diffs."""
+        wanted = set(self.inputs) | set(diffs or ())
+        start_i = self.layer_index(start) if start is not None else len(self.layers) - 1
+        if end is not None:
+            end_i = self.layer_index(end)
+            wanted = set(self.bottom_names[end]) | set(diffs or ())
+        else:
+            end_i = 0
+        for name, value in kwargs.items():
+            if name not in self.outputs:
+                raise NetError(f'"{name}" is not an output of net "{self.name}"')
+            self.blobs[name].diff[...] = value
+        self.backward_from_to(start_i, end_i)
+        return {name: self.blobs[name].diff for name in sorted(wanted)}
+
+    def copy_from(self, path, allow_missing=True):
+        from caffepar.io.weights import copy_weights_into
+        copy_weights_into(self, path)
+
+    def share_with(self, other):
+        """Share trained layers' parameter data with another net (Caffe's ShareTrainedLayersWith)."""
+        for layer in self.layers:
+            src = other.layer_dict.get(layer.name)
+            if src is None or not layer.blobs:
+                continue
+            if len(src.blobs) != len(layer.blobs):
+                raise NetError(f"incompatible number of blobs ({len(src.blobs)} vs "
+                               f"{len(layer.blobs)})", layer=layer.name)
+            for mine, theirs in zip(layer.blobs, src.blobs):
+                if mine.shape != theirs.shape:
+                    raise NetError(f"cannot share weights: shape {theirs.shape} vs {mine.shape}",
+                                   layer=layer.name)
+                mine.data = theirs.data
+
+    def to_proto(self, write_diff=False):
+        from caffepar.io.weights import net_to_proto
+        return net_to_proto(self, write_diff)
+
+    def save(self, path):
+        from caffepar.io.weights import save_caffemodel
+        save_caffemodel(self, path)
+
+    def save_hdf5(self, path):
+        from caffepar.io.weights import save_caffemodel_hdf5
+        save_caffemodel_hdf5(self, path)

@@ -1,0 +1,104 @@
+"""Pure NetParameter -> NetParameter rewrites that Net runs before building layers:
+keep the layers whose include/exclude rules match the NetState, then insert Split layers where a
+blob feeds several bottoms. Each returns a new message and leaves its input alone."""
+from caffepar.errors import NetError
+from caffepar.proto import caffe_pb2
+
+
+def state_meets_rule(state, rule):
+    """Caffe's NetStateRule test: phase, level range and required / forbidden stages."""
+    if rule.HasField("phase") and rule.phase != state.phase:
+        return False
+    if rule.HasField("min_level") and state.level < rule.min_level:
+        return False
+    if rule.HasField("max_level") and state.level > rule.max_level:
+        return False
+    stages = set(state.stage)
+    if any(s not in stages for s in rule.stage):
+        return False
+    if any(s in stages for s in rule.not_stage):
+        return False
+    return True
+
+
+def filter_net(net, smap=None):
+    """Keep only the layers the net's `state` selects."""
+    out = caffe_pb2.NetParameter()
+    out.CopyFrom(net)
+    del out.layer[:]
+    for layer in net.layer:
+        if layer.include and layer.exclude:
+            raise NetError("specify either include rules or exclude rules, not both",
+                           layer=layer.name, path=smap and smap.path,
+                           line=smap and smap.line_of(layer.name))
+        if layer.include:
+            keep = any(state_meets_rule(net.state, r) for r in layer.include)
+        else:
+            keep = not any(state_meets_rule(net.state, r) for r in layer.exclude)
+        if keep:
+            out.layer.add().CopyFrom(layer)
+    return out
+
+
+def split_layer_name(layer_name, blob_name, top_index):
+    return f"{blob_name}_{layer_name}_{top_index}_split"
+
+
+def split_blob_name(layer_name, blob_name, top_index, split_index):
+    return f"{blob_name}_{layer_name}_{top_index}_split_{split_index}"
+
+
+def insert_splits(net, smap=None):
+    """Give every blob used more than once (as bottom, or as a weighted loss) its own Split layer,
+    so that each consumer gets a separate diff and the Split sums them."""
+    last_top = {}
+    source_of_bottom = {}
+    consumers = {}
+    loss_weight = {}
+    for i, layer in enumerate(net.layer):
+        for j, name in enumerate(layer.bottom):
+            if name not in last_top:
+                raise NetError(f"unknown bottom blob \"{name}\" (bottom index {j})",
+                               layer=layer.name, layer_type=layer.type,
+                               path=smap and smap.path, line=smap and smap.line_of(layer.name))
+            src = last_top[name]
+            source_of_bottom[(i, j)] = src
+            consumers[src] = consumers.get(src, 0) + 1
+        for j, name in enumerate(layer.top):
+            last_top[name] = (i, j)
+        for j in range(min(len(layer.loss_weight), len(layer.top))):
+            src = last_top[layer.top[j]]
+            loss_weight[src] = layer.loss_weight[j]
+            if loss_weight[src]:
+                consumers[src] = consumers.get(src, 0) + 1
+
+    out = caffe_pb2.NetParameter()
+    out.CopyFrom(net)
+    del out.layer[:]
+    next_split = {}
+    for i, layer in enumerate(net.layer):
+        new = out.layer.add()
+        new.CopyFrom(layer)
+        for j, name in enumerate(new.bottom):
+            src = source_of_bottom[(i, j)]
+            if consumers.get(src, 0) > 1:
+                k = next_split.get(src, 0)
+                next_split[src] = k + 1
+                new.bottom[j] = split_blob_name(net.layer[src[0]].name, name, src[1], k)
+        for j, name in enumerate(new.top):
+            src = (i, j)
+            count = consumers.get(src, 0)
+            if count > 1:
+                split = out.layer.add()
+                split.name = split_layer_name(layer.name, name, j)
+                split.type = "Split"
+                split.bottom.append(name)
+                weight = loss_weight.get(src, 0.0)
+                for k in range(count):
+                    split.top.append(split_blob_name(layer.name, name, j, k))
+                    if weight:
+                        split.loss_weight.append(weight if k == 0 else 0.0)
+                if weight:
+                    new.ClearField("loss_weight")
+                    next_split[src] = next_split.get(src, 0) + 1
+    return out

@@ -1,0 +1,379 @@
+"""Reading and writing .caffemodel files (binary NetParameter or HDF5) fast and at any size.
+
+Python protobuf turns every float of a packed `repeated float` into a Python object, which takes
+minutes for VGG-16's 138 M weights. Here the wire format is walked by hand down to each BlobProto,
+and its packed data is handed to NumPy as one buffer; only the small, blob-free rest of each layer
+goes through protobuf.
+"""
+import os
+import struct
+import tempfile
+
+import numpy as np
+
+from caffepar.errors import MissingFileError, WeightsError
+from caffepar.proto import caffe_pb2
+from caffepar.proto.upgrade import net_needs_upgrade, upgrade_net
+
+# Field numbers of Caffe's schema that the walker needs.
+NET_LAYER, NET_LAYERS = 100, 2
+LAYER_BLOBS, V1_LAYER_BLOBS, V1_LAYER_V0 = 7, 6, 1
+BLOB_NUM, BLOB_CHANNELS, BLOB_HEIGHT, BLOB_WIDTH = 1, 2, 3, 4
+BLOB_DATA, BLOB_DIFF, BLOB_SHAPE, BLOB_DOUBLE_DATA, BLOB_DOUBLE_DIFF = 5, 6, 7, 8, 9
+SHAPE_DIM = 1
+
+
+class _Truncated(Exception):
+    pass
+
+
+def _varint(buf, pos, end):
+    result = shift = 0
+    while True:
+        if pos >= end:
+            raise _Truncated()
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 70:
+            raise _Truncated()
+
+
+def _fields(buf, start, end):
+    """Yield (field number, wire type, value, start, stop) for each field in buf[start:end];
+    value is the integer for varints, else None (the payload is buf[start:stop])."""
+    pos = start
+    while pos < end:
+        field_start = pos
+        key, pos = _varint(buf, pos, end)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos, end)
+            yield number, wire, value, field_start, pos, pos
+        elif wire == 2:
+            length, pos = _varint(buf, pos, end)
+            if pos + length > end:
+                raise _Truncated()
+            yield number, wire, None, pos, pos + length, field_start
+            pos += length
+        elif wire == 5:
+            if pos + 4 > end:
+                raise _Truncated()
+            yield number, wire, None, pos, pos + 4, field_start
+            pos += 4
+        elif wire == 1:
+            if pos + 8 > end:
+                raise _Truncated()
+            yield number, wire, None, pos, pos + 8, field_start
+            pos += 8
+        else:
+            raise _Truncated()
+
+
+def _packed_varints(buf, start, end):
+    out, pos = [], start
+    while pos < end:
+        v, pos = _varint(buf, pos, end)
+        out.append(v)
+    return out
+
+
+def decode_blob(buf, start, end, want_diff=False):
+    """One BlobProto -> (ndarray of its data, legacy 4-D shape or None). Shape from `shape`, or
+    from num/channels/height/width as Caffe's LegacyShape."""
+    shape = None
+    legacy = {}
+    chunks, single = [], []
+    dchunks, dsingle = [], []
+    want_data = (BLOB_DIFF, BLOB_DOUBLE_DIFF) if want_diff else (BLOB_DATA, BLOB_DOUBLE_DATA)
+    for number, wire, value, s, e, _ in _fields(buf, start, end):
+        if number == BLOB_SHAPE and wire == 2:
+            dims = []
+            for n2, w2, v2, s2, e2, _ in _fields(buf, s, e):
+                if n2 == SHAPE_DIM:
+                    if w2 == 2:
+                        dims.extend(_packed_varints(buf, s2, e2))
+                    else:
+                        dims.append(v2)
+            shape = tuple(int(d) for d in dims)
+        elif number in (BLOB_NUM, BLOB_CHANNELS, BLOB_HEIGHT, BLOB_WIDTH) and wire == 0:
+            legacy[number] = value
+        elif number == want_data[0]:
+            if wire == 2:
+                chunks.append(np.frombuffer(buf, "<f4", (e - s) // 4, s))
+            else:
+                single.append(struct.unpack_from("<f", buf, s)[0])
+        elif number == want_data[1]:
+            if wire == 2:
+                dchunks.append(np.frombuffer(buf, "<f8", (e - s) // 8, s))
+            else:
+                dsingle.append(struct.unpack_from("<d", buf, s)[0])
+    if single:
+        chunks.append(np.asarray(single, "<f4"))
+    if dsingle:
+        dchunks.append(np.asarray(dsingle, "<f8"))
+    if dchunks and not chunks:
+        values = np.concatenate(dchunks) if len(dchunks) > 1 else dchunks[0]
+    elif chunks:
+        values = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+    else:
+        values = np.zeros(0, np.float32)
+    legacy_shape = None
+    if legacy:
+        legacy_shape = tuple(legacy.get(k, 1) for k in
+                             (BLOB_NUM, BLOB_CHANNELS, BLOB_HEIGHT, BLOB_WIDTH))
+    if shape is None:
+        shape = legacy_shape if legacy_shape is not None else (values.size,)
+    return values, shape, legacy_shape
+
+
+class CaffeModel:
+    """A caffemodel's layers: `layers[i]` is (name, type, [(array, shape, legacy_shape), ...])."""
+
+    def __init__(self, path, layers, net_param=None):
+        self.path = path
+        self.layers = layers
+        self.net_param = net_param
+
+    def by_name(self):
+        return {name: blobs for name, _type, blobs in self.layers}
+
+
+def _read_binary(path):
+    with open(path, "rb") as f:
+        buf = f.read()
+    end = len(buf)
+    try:
+        stripped = bytearray()
+        layer_blobs = []
+        has_v1 = False
+        for number, wire, value, s, e, fstart in _fields(buf, 0, end):
+            if wire == 2 and number in (NET_LAYER, NET_LAYERS):
+                blob_field = LAYER_BLOBS if number == NET_LAYER else V1_LAYER_BLOBS
+                if number == NET_LAYERS:
+                    has_v1 = True
+                    if any(n == V1_LAYER_V0 for n, *_ in _fields(buf, s, e)):
+                        return _read_binary_slow(path, buf)
+                body = bytearray()
+                blobs = []
+                for n2, w2, v2, s2, e2, f2 in _fields(buf, s, e):
+                    if n2 == blob_field and w2 == 2:
+                        blobs.append(decode_blob(buf, s2, e2))
+                    else:
+                        body += buf[f2:e2]
+                stripped += _key(number, 2) + _encode_varint(len(body)) + body
+                layer_blobs.append(blobs)
+            else:
+                stripped += buf[fstart:e]
+    except _Truncated:
+        raise WeightsError("truncated or corrupt caffemodel (the protobuf stream ends inside a "
+                           "field)", path=path) from None
+    net = caffe_pb2.NetParameter()
+    try:
+        net.ParseFromString(bytes(stripped))
+    except Exception as e:
+        raise WeightsError(f"not a Caffe NetParameter: {e}", path=path) from None
+    if not net.layer and not net.layers and end:
+        raise WeightsError("holds no layers; not a caffemodel", path=path)
+    names = [lp.name for lp in (net.layers if has_v1 else net.layer)]
+    types = [lp.type for lp in (net.layers if has_v1 else net.layer)]
+    if has_v1:
+        upgraded, _ = upgrade_net(net, source=path)
+        if len(upgraded.layer) == len(names):
+            names = [lp.name for lp in upgraded.layer]
+            types = [lp.type for lp in upgraded.layer]
+        net = upgraded
+    return CaffeModel(path, [(n, t, b) for n, t, b in zip(names, types, layer_blobs)], net)
+
+
+def _read_binary_slow(path, buf):
+    """V0 models nest layers one level deeper; they are small, so protobuf parses them whole."""
+    net = caffe_pb2.NetParameter()
+    net.ParseFromString(buf)
+    net, _ = upgrade_net(net, source=path)
+    layers = []
+    for lp in net.layer:
+        blobs = []
+        for bp in lp.blobs:
+            raw = bp.SerializeToString()
+            blobs.append(decode_blob(raw, 0, len(raw)))
+        layers.append((lp.name, lp.type, blobs))
+        del lp.blobs[:]
+    return CaffeModel(path, layers, net)
+
+
+def _read_hdf5(path):
+    import h5py
+    layers = []
+    try:
+        with h5py.File(path, "r") as f:
+            if "data" not in f:
+                raise WeightsError('HDF5 file has no "data" group; not a Caffe HDF5 caffemodel',
+                                   path=path)
+            group = f["data"]
+            for name in group:
+                blobs = []
+                g = group[name]
+                for i in range(len(g)):
+                    arr = np.asarray(g[str(i)])
+                    blobs.append((arr.reshape(-1), arr.shape, None))
+                layers.append((name, None, blobs))
+    except OSError as e:
+        raise WeightsError(f"cannot read HDF5 caffemodel: {e}", path=path) from None
+    return CaffeModel(path, layers)
+
+
+def is_hdf5(path):
+    with open(path, "rb") as f:
+        return f.read(8) == b"\x89HDF\r\n\x1a\n"
+
+
+def read_caffemodel(path):
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise MissingFileError(path, "weights file")
+    if is_hdf5(path):
+        return _read_hdf5(path)
+    return _read_binary(path)
+
+
+def _shape_str(shape):
+    return " ".join(str(d) for d in shape) + f" ({int(np.prod(shape))})"
+
+
+def copy_weights_into(net, path, strict_names=False):
+    """Caffe's CopyTrainedLayersFrom: copy blobs by layer name; layers absent from the net are
+    ignored; a present layer must match in blob count and every shape."""
+    model = read_caffemodel(path) if not isinstance(path, CaffeModel) else path
+    copied = []
+    for name, _type, blobs in model.layers:
+        layer = net.layer_dict.get(name)
+        if layer is None:
+            continue
+        if len(blobs) != len(layer.blobs):
+            raise WeightsError(f'layer "{name}": the caffemodel has {len(blobs)} blob(s), the '
+                               f"net expects {len(layer.blobs)}", path=model.path)
+        for j, ((values, shape, legacy), target) in enumerate(zip(blobs, layer.blobs)):
+            ok = tuple(shape) == target.shape
+            if not ok and legacy is not None and target.num_axes <= 4:
+                ok = legacy == (1,) * (4 - target.num_axes) + target.shape
+            if not ok or values.size != target.count:
+                raise WeightsError(
+                    f'layer "{name}" param {j}: shape mismatch, the caffemodel has '
+                    f"{_shape_str(shape)}, the net expects {target.shape_string()}",
+                    path=model.path,
+                    hint="rename the layer to learn it from scratch instead of copying it")
+            target.data[...] = values.reshape(target.shape)
+        copied.append(name)
+    return copied
+
+
+# ------------------------------------------------------------------------------- writing
+def _encode_varint(value):
+    out = bytearray()
+    while True:
+        b = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _key(number, wire):
+    return _encode_varint((number << 3) | wire)
+
+
+def _length_delimited(number, payload):
+    return _key(number, 2) + _encode_varint(len(payload)) + payload
+
+
+def encode_blob(data, diff=None):
+    """A BlobProto's bytes: shape plus packed float32 data (and diff)."""
+    dims = b"".join(_encode_varint(int(d)) for d in data.shape)
+    out = [_length_delimited(BLOB_SHAPE, _length_delimited(SHAPE_DIM, dims) if dims else b"")]
+    out.append(_length_delimited(BLOB_DATA, np.ascontiguousarray(data, "<f4").tobytes()))
+    if diff is not None:
+        out.append(_length_delimited(BLOB_DIFF, np.ascontiguousarray(diff, "<f4").tobytes()))
+    return b"".join(out)
+
+
+def net_to_bytes(net, write_diff=False):
+    """Caffe's Net::ToProto serialized: every layer's parameter plus its blobs."""
+    head = caffe_pb2.NetParameter()
+    head.name = net.name
+    parts = [head.SerializeToString()]
+    for layer in net.layers:
+        lp = caffe_pb2.LayerParameter()
+        lp.CopyFrom(layer.param)
+        del lp.blobs[:]
+        body = lp.SerializeToString() + b"".join(
+            _length_delimited(LAYER_BLOBS, encode_blob(b.data, b.diff if write_diff else None))
+            for b in layer.blobs)
+        parts.append(_length_delimited(NET_LAYER, body))
+    return b"".join(parts)
+
+
+def net_to_proto(net, write_diff=False):
+    proto = caffe_pb2.NetParameter()
+    proto.ParseFromString(net_to_bytes(net, write_diff))
+    return proto
+
+
+def atomic_write(path, payload_writer):
+    """Write through a temp file in the same folder and rename, so a crash never leaves a
+    half-written file under `path`."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=os.path.basename(path), dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            payload_writer(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_caffemodel(net, path, write_diff=False):
+    payload = net_to_bytes(net, write_diff)
+    atomic_write(path, lambda f: f.write(payload))
+
+
+def save_caffemodel_hdf5(net, path, write_diff=False):
+    import h5py
+
+    def write(f):
+        f.close()
+        with h5py.File(tmp_holder[0], "w") as h5:
+            data = h5.create_group("data")
+            diff = h5.create_group("diff") if write_diff else None
+            for layer in net.layers:
+                if not layer.blobs:
+                    continue
+                g = data.create_group(layer.name)
+                for i, b in enumerate(layer.blobs):
+                    g.create_dataset(str(i), data=np.asarray(b.data, np.float32))
+                if diff is not None:
+                    gd = diff.create_group(layer.name)
+                    for i, b in enumerate(layer.blobs):
+                        gd.create_dataset(str(i), data=np.asarray(b.diff, np.float32))
+
+    folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".h5", dir=folder)
+    os.close(fd)
+    tmp_holder = [tmp]
+    try:
+        write(open(tmp, "wb"))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

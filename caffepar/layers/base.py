@@ -1,0 +1,142 @@
+"""The Layer contract every Caffe layer type implements, and the registry keyed by type string."""
+import difflib
+
+import numpy as np
+
+from caffepar.blob import Blob
+from caffepar.errors import LayerError, NetError
+from caffepar.fillers import fill
+
+LAYERS = {}
+
+
+def register(type_name):
+    """Class decorator: register a layer under its Caffe type string. The V1 enum spelling
+    (CONVOLUTION for Convolution) is found through the upgrade table, not registered twice."""
+
+    def wrap(cls):
+        if type_name in LAYERS:
+            raise RuntimeError(f"layer type {type_name} registered twice")
+        cls.type = type_name
+        LAYERS[type_name] = cls
+        return cls
+
+    return wrap
+
+
+def layer_class(type_name, layer_name=None, line=None, path=None):
+    """The class for a Caffe type string; V1 enum names (CONVOLUTION) are accepted too."""
+    cls = LAYERS.get(type_name)
+    if cls is None:
+        from caffepar.proto.upgrade import V1_TYPE_NAMES
+        cls = LAYERS.get(V1_TYPE_NAMES.get(type_name, ""))
+    if cls is None:
+        close = difflib.get_close_matches(type_name, LAYERS, n=1, cutoff=0.6)
+        if not close:
+            lowered = {k.lower(): k for k in LAYERS}
+            close = [lowered[type_name.lower()]] if type_name.lower() in lowered else []
+        hint = f'did you mean "{close[0]}"?' if close else None
+        raise NetError(f'unknown layer type "{type_name}" (known types: {", ".join(sorted(LAYERS))})',
+                       path=path, line=line, layer=layer_name, hint=hint)
+    return cls
+
+
+class Layer:
+    """One Caffe layer. Subclasses set the blob-count limits and implement
+    `layer_setup` (check params, create parameter blobs), `reshape`, `forward` and `backward`,
+    with Caffe's calling conventions: lists of Blobs, param diffs accumulated, bottom diffs
+    overwritten."""
+
+    type = None
+    exact_bottoms = None
+    min_bottoms = None
+    max_bottoms = None
+    exact_tops = None
+    min_tops = None
+    max_tops = None
+    is_loss = False
+    auto_top_blobs = False
+
+    def __init__(self, param, phase=1, dtype=np.float32, where=None):
+        self.param = param
+        self.name = param.name
+        self.phase = phase
+        self.dtype = np.dtype(dtype)
+        self.where = where or {}
+        self.blobs = []
+        self.param_propagate_down = []
+        self.loss_weights = []
+
+    def error(self, message, hint=None):
+        return LayerError(message, layer=self.name, layer_type=self.param.type,
+                          path=self.where.get("path"), line=self.where.get("line"), hint=hint)
+
+    def check_blob_counts(self, bottom, top):
+        def check(what, n, exact, low, high):
+            if exact is not None and n != exact:
+                raise self.error(f"takes exactly {exact} {what} blob(s), got {n}")
+            if low is not None and n < low:
+                raise self.error(f"takes at least {low} {what} blob(s), got {n}")
+            if high is not None and n > high:
+                raise self.error(f"takes at most {high} {what} blob(s), got {n}")
+
+        check("bottom", len(bottom), self.exact_bottoms, self.min_bottoms, self.max_bottoms)
+        check("top", len(top), self.exact_tops, self.min_tops, self.max_tops)
+
+    def setup(self, bottom, top):
+        """Caffe's Layer::SetUp: check counts, set up, reshape, record loss weights."""
+        self.check_blob_counts(bottom, top)
+        self.layer_setup(bottom, top)
+        self.reshape(bottom, top)
+        self.set_loss_weights(top)
+
+    def set_loss_weights(self, top):
+        weights = list(self.param.loss_weight)
+        if self.is_loss and not weights:
+            weights = [1.0]
+        if len(weights) > len(top):
+            raise self.error(f"has {len(weights)} loss_weight values for {len(top)} top blob(s)")
+        weights += [0.0] * (len(top) - len(weights))
+        self.loss_weights = weights
+        for blob, w in zip(top, weights):
+            if w:
+                blob.diff[...] = w
+
+    def layer_setup(self, bottom, top):
+        pass
+
+    def reshape(self, bottom, top):
+        raise NotImplementedError
+
+    def forward(self, bottom, top):
+        raise NotImplementedError
+
+    def backward(self, top, propagate_down, bottom):
+        """Layers without a backward (Accuracy, ArgMax, data layers) leave this as is."""
+        if any(propagate_down):
+            raise self.error("cannot backpropagate to its bottom blobs")
+
+    def allow_force_backward(self, bottom_index):
+        return True
+
+    # Helpers for subclasses.
+    def add_param_blob(self, shape, filler=None):
+        blob = Blob(shape, self.dtype)
+        blob.is_param = True
+        if filler is not None:
+            blob.data[...] = fill(filler, blob.shape, self.dtype)
+        self.blobs.append(blob)
+        return blob
+
+    def blobs_already_set(self, expected):
+        """True when parameter blobs were given (e.g. copied in); checks their number."""
+        if self.blobs:
+            if len(self.blobs) != expected:
+                raise self.error(f"expected {expected} parameter blobs, found {len(self.blobs)}")
+            return True
+        return False
+
+    def positive(self, value, what):
+        if value <= 0:
+            raise self.error(f"{what} must be > 0, got {value}")
+        return value

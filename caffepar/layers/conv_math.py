@@ -1,0 +1,679 @@
+"""Convolution arithmetic with Caffe's semantics, built on BLAS GEMM.
+
+Blobs are (N, C, *spatial); weights (O, C/group, *kernel). One engine serves
+every case, any number of spatial axes:
+
+* The padded input of a chunk of images is laid out channel-major as
+  ``(C, phases, images, *Q)`` and flattened per channel. For a stride-1 axis
+  there is one phase; a stride-s axis is split into its s polyphase
+  components, which turns every kernel tap into a *unit-stride* shifted view
+  of that flat buffer.
+* The output over the (images, *Q) grid is then a sum over taps of
+  ``W_tap @ B[:, off:off+L]``: each operand is a strided view that BLAS reads
+  in place (leading dimension = row length), accumulated with beta=1. Grid
+  cells outside the real output are garbage and are dropped when the result
+  is copied back to NCHW.
+* When channels per group are few (e.g. the RGB first layer), per-tap GEMMs
+  are too thin, so taps are stacked into the inner dimension instead: a
+  small column block is copied tap by tap (contiguous copies, i.e. an
+  im2col over the flat grid) and multiplied once.
+* Work is done in chunks of images and of grid columns, so the temporary
+  workspace stays bounded (``WORKSPACE_BYTES``) and the accumulated output
+  block stays in cache.
+
+GEMMs go through SciPy's exported BLAS (``scipy.linalg.cython_blas``) called
+with ctypes, because the f2py wrappers in ``scipy.linalg.blas`` copy any view
+that is not Fortran-contiguous, and ``numpy.matmul`` has no beta. If that
+entry point is unavailable a NumPy fallback is used.
+"""
+
+import ctypes
+import itertools
+import math
+
+import numpy as np
+
+__all__ = [
+    "conv_forward",
+    "conv_backward",
+    "deconv_forward",
+    "deconv_backward",
+    "conv_output_shape",
+    "im2col",
+    "col2im",
+]
+
+#: Upper bound on the per-call scratch memory (image chunks are sized to it).
+WORKSPACE_BYTES = 64 << 20
+#: Target size of one column block (output block + input block) so that the
+#: block being accumulated over taps stays in the L2/L3 caches.
+BLOCK_BYTES = 1 << 20
+
+
+# --------------------------------------------------------------------------
+# GEMM on strided 2-D views
+# --------------------------------------------------------------------------
+
+def _load_blas():
+    """Function pointers of SciPy's sgemm/dgemm, or {} when not reachable."""
+    try:
+        from scipy.linalg import cython_blas
+    except Exception:
+        return {}
+    get_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(
+        ("PyCapsule_GetName", ctypes.pythonapi))
+    get_ptr = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+        ("PyCapsule_GetPointer", ctypes.pythonapi))
+    proto = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * 13))
+    found = {}
+    for dtype, name, scalar in ((np.float32, "sgemm", ctypes.c_float),
+                                (np.float64, "dgemm", ctypes.c_double)):
+        try:
+            capsule = cython_blas.__pyx_capi__[name]
+            ptr = get_ptr(capsule, get_name(capsule))
+        except Exception:
+            continue
+        if ptr:
+            found[np.dtype(dtype)] = (proto(ptr), scalar)
+    return found
+
+
+_BLAS = _load_blas()
+_TRANS = {False: ctypes.c_char_p(b"N"), True: ctypes.c_char_p(b"T")}
+
+
+def _ld(v):
+    """Leading dimension of a row-major 2-D view, or 0 if BLAS cannot read it."""
+    rows, cols = v.shape
+    isz = v.itemsize
+    if cols > 1 and v.strides[1] != isz:
+        return 0
+    if rows <= 1:
+        return max(cols, 1)
+    s0 = v.strides[0]
+    if s0 <= 0 or s0 % isz:
+        return 0
+    ld = s0 // isz
+    return ld if ld >= max(cols, 1) else 0
+
+
+def _gemm(a, b, c, trans_a=False, trans_b=False, beta=0.0):
+    """c = op(a) @ op(b) + beta * c, in place, on row-major strided views."""
+    m, n = c.shape
+    k = a.shape[0] if trans_a else a.shape[1]
+    if m == 0 or n == 0:
+        return
+    if k == 0:
+        if beta == 0.0:
+            c[...] = 0
+        return
+    entry = _BLAS.get(c.dtype)
+    lda, ldb, ldc = _ld(a), _ld(b), _ld(c)
+    if (entry is None or not (lda and ldb and ldc)
+            or a.dtype != c.dtype or b.dtype != c.dtype):
+        r = np.matmul(a.T if trans_a else a, b.T if trans_b else b)
+        if beta == 0.0:
+            c[...] = r
+        else:
+            c += r
+        return
+    fn, scalar = entry
+    ci = ctypes.c_int
+    # Row-major C = A B is column-major C^T = B^T A^T.
+    fn(_TRANS[trans_b], _TRANS[trans_a],
+       ctypes.byref(ci(n)), ctypes.byref(ci(m)), ctypes.byref(ci(k)),
+       ctypes.byref(scalar(1.0)),
+       ctypes.c_void_p(b.ctypes.data), ctypes.byref(ci(ldb)),
+       ctypes.c_void_p(a.ctypes.data), ctypes.byref(ci(lda)),
+       ctypes.byref(scalar(beta)),
+       ctypes.c_void_p(c.ctypes.data), ctypes.byref(ci(ldc)))
+
+
+# --------------------------------------------------------------------------
+# Geometry
+# --------------------------------------------------------------------------
+
+def _tuple(v, nd, name):
+    if np.isscalar(v):
+        return (int(v),) * nd
+    v = tuple(int(e) for e in v)
+    if len(v) == 1 and nd != 1:
+        v = v * nd
+    if len(v) != nd:
+        raise ValueError(f"{name} has {len(v)} entries, expected {nd}")
+    return v
+
+
+def conv_output_shape(in_shape_spatial, kernel, stride, pad, dilation):
+    """Caffe's output size per spatial axis."""
+    nd = len(in_shape_spatial)
+    kernel = _tuple(kernel, nd, "kernel")
+    stride = _tuple(stride, nd, "stride")
+    pad = _tuple(pad, nd, "pad")
+    dilation = _tuple(dilation, nd, "dilation")
+    return tuple((i + 2 * p - (d * (k - 1) + 1)) // s + 1
+                 for i, k, s, p, d in zip(in_shape_spatial, kernel, stride, pad, dilation))
+
+
+class _Geom:
+    """Polyphase flat-grid layout of one convolution's input and taps."""
+
+    def __init__(self, in_sp, kernel, stride, pad, dilation):
+        nd = len(in_sp)
+        self.nd = nd
+        self.in_sp = tuple(int(v) for v in in_sp)
+        self.kernel = _tuple(kernel, nd, "kernel")
+        self.stride = _tuple(stride, nd, "stride")
+        self.pad = _tuple(pad, nd, "pad")
+        self.dilation = _tuple(dilation, nd, "dilation")
+        if min(self.kernel, default=1) < 1 or min(self.stride, default=1) < 1 \
+                or min(self.dilation, default=1) < 1 or min(self.pad, default=0) < 0:
+            raise ValueError("kernel, stride and dilation must be >= 1 and pad >= 0")
+        self.out = conv_output_shape(self.in_sp, self.kernel, self.stride, self.pad,
+                                     self.dilation)
+        if min(self.out, default=1) < 1:
+            raise ValueError(f"convolution output would be empty: input {self.in_sp}, "
+                             f"kernel {self.kernel}, stride {self.stride}, pad {self.pad}, "
+                             f"dilation {self.dilation}")
+        axis_phases, q = [], []
+        for k, s, d, o in zip(self.kernel, self.stride, self.dilation, self.out):
+            axis_phases.append(sorted({(i * d) % s for i in range(k)}))
+            q.append(o + ((k - 1) * d) // s)
+        self.q = tuple(q)
+        self.qsize = math.prod(q)
+        qstr = [1] * nd
+        for a in range(nd - 2, -1, -1):
+            qstr[a] = qstr[a + 1] * q[a + 1]
+        self.phases = list(itertools.product(*axis_phases))
+        index = {p: i for i, p in enumerate(self.phases)}
+        self.tap_phase, self.tap_shift = [], []
+        for kidx in itertools.product(*[range(k) for k in self.kernel]):
+            ph = tuple((i * d) % s for i, d, s in zip(kidx, self.dilation, self.stride))
+            self.tap_phase.append(index[ph])
+            self.tap_shift.append(sum(((i * d) // s) * qs for i, d, s, qs in
+                                      zip(kidx, self.dilation, self.stride, qstr)))
+        self.ntaps = len(self.tap_phase)
+        self.last = sum((o - 1) * qs for o, qs in zip(self.out, qstr))
+        # Per phase: slices of the phase grid and of x that correspond.
+        self.copies = []
+        covered = [0] * nd
+        self.grid_full = True
+        for ph in self.phases:
+            qsl, xsl = [], []
+            for a, (aa, s, p, n, qa) in enumerate(zip(ph, self.stride, self.pad, self.in_sp,
+                                                      self.q)):
+                lo = max(0, -((aa - p) // s))
+                hi = min(qa, (n - 1 + p - aa) // s + 1)
+                cnt = max(0, hi - lo)
+                x0 = lo * s + aa - p
+                qsl.append(slice(lo, lo + cnt))
+                xsl.append(slice(x0, x0 + (cnt - 1) * s + 1 if cnt else x0, s))
+                if lo > 0 or lo + cnt < qa:
+                    self.grid_full = False
+            self.copies.append((tuple(qsl), tuple(xsl)))
+        # x is fully covered iff every x position lies in some phase's grid.
+        for a in range(nd):
+            ph_a = axis_phases[a]
+            tot = 0
+            for aa in ph_a:
+                lo = max(0, -((aa - self.pad[a]) // self.stride[a]))
+                hi = min(self.q[a], (self.in_sp[a] - 1 + self.pad[a] - aa) // self.stride[a] + 1)
+                tot += max(0, hi - lo)
+            covered[a] = tot == self.in_sp[a]
+        self.x_full = all(covered)
+
+    def span(self, nc):
+        """Number of grid columns computed for a chunk of nc images."""
+        return (nc - 1) * self.qsize + self.last + 1
+
+
+def _workspace_chunk(per_image_bytes, n):
+    return int(max(1, min(n, WORKSPACE_BYTES // max(per_image_bytes, 1))))
+
+
+def _gather(g, xc, dtype, zero_fill=True):
+    """Polyphase channel-major copy of a chunk of images: (C, P*nc*Qsize)."""
+    nc, c = xc.shape[:2]
+    p = len(g.phases)
+    alloc = np.zeros if (zero_fill and not g.grid_full) else np.empty
+    buf = alloc((c, p * nc * g.qsize), dtype)
+    view = buf.reshape((c, p, nc) + g.q)
+    perm = (1, 0) + tuple(range(2, 2 + g.nd))
+    for pi, (qsl, xsl) in enumerate(g.copies):
+        np.copyto(view[(slice(None), pi, slice(None)) + qsl],
+                  xc[(slice(None), slice(None)) + xsl].transpose(perm))
+    return buf
+
+
+def _scatter_add(g, buf, out, nc):
+    """Adjoint of _gather: write a (C, P*nc*Qsize) buffer back to (nc, C, *S)."""
+    c = buf.shape[0]
+    view = buf[:, :len(g.phases) * nc * g.qsize].reshape((c, len(g.phases), nc) + g.q)
+    perm = (1, 0) + tuple(range(2, 2 + g.nd))
+    for pi, (qsl, xsl) in enumerate(g.copies):
+        np.copyto(out[(slice(None), slice(None)) + xsl],
+                  view[(slice(None), pi, slice(None)) + qsl].transpose(perm))
+
+
+def _grid_view(g, buf, nc):
+    """(rows, nc*Qsize) buffer -> (nc, rows, *out) view of the real outputs."""
+    rows = buf.shape[0]
+    v = buf[:, :nc * g.qsize].reshape((rows, nc) + g.q)
+    v = v[(slice(None), slice(None)) + tuple(slice(0, o) for o in g.out)]
+    return v.transpose((1, 0) + tuple(range(2, 2 + g.nd)))
+
+
+def _col_block(rows_bytes):
+    lb = BLOCK_BYTES // max(rows_bytes, 1)
+    return int(max(256, lb // 64 * 64))
+
+
+def _use_stacked(cg, og, ntaps):
+    """Stack taps into the GEMM's inner dimension when channels are too few."""
+    return ntaps > 1 and cg < 64
+
+
+# --------------------------------------------------------------------------
+# Core kernels on the flat grid
+# --------------------------------------------------------------------------
+
+def _tap_weights(w, group):
+    """(O, Cg, *K) -> (group, T, Og, Cg) contiguous per-tap matrices."""
+    o, cg = w.shape[:2]
+    t = math.prod(w.shape[2:])
+    return np.ascontiguousarray(
+        w.reshape(group, o // group, cg, t).transpose(0, 3, 1, 2))
+
+
+def _stacked_weights(w, group):
+    """(O, Cg, *K) -> (group, Og, T*Cg) with (tap, channel) inner order."""
+    o, cg = w.shape[:2]
+    t = math.prod(w.shape[2:])
+    return np.ascontiguousarray(
+        w.reshape(group, o // group, cg, t).transpose(0, 1, 3, 2)).reshape(group, o // group,
+                                                                           t * cg)
+
+
+def _grid_forward(g, buf, wt, ws, ybuf, nc, group, cg, og):
+    """ybuf[:, :L] = sum over taps of W_tap @ shifted views of buf."""
+    L = g.span(nc)
+    pstride = nc * g.qsize
+    offs = [ph * pstride + sh for ph, sh in zip(g.tap_phase, g.tap_shift)]
+    T = g.ntaps
+    if cg == 1 and group > 1:
+        _depthwise_forward(buf, wt, ybuf, offs, L, group, og)
+        return
+    if ws is not None:
+        lb = min(L, _col_block((og + T * cg) * buf.itemsize))
+        cols = np.empty((T * cg, lb), buf.dtype)
+        for gi in range(group):
+            src = buf[gi * cg:(gi + 1) * cg]
+            dst = ybuf[gi * og:(gi + 1) * og]
+            for c0 in range(0, L, lb):
+                n = min(lb, L - c0)
+                for t, off in enumerate(offs):
+                    np.copyto(cols[t * cg:(t + 1) * cg, :n], src[:, off + c0:off + c0 + n])
+                _gemm(ws[gi], cols[:, :n], dst[:, c0:c0 + n])
+        return
+    lb = min(L, _col_block((og + cg) * buf.itemsize))
+    for gi in range(group):
+        src = buf[gi * cg:(gi + 1) * cg]
+        dst = ybuf[gi * og:(gi + 1) * og]
+        for c0 in range(0, L, lb):
+            n = min(lb, L - c0)
+            d = dst[:, c0:c0 + n]
+            for t, off in enumerate(offs):
+                _gemm(wt[gi, t], src[:, off + c0:off + c0 + n], d, beta=1.0 if t else 0.0)
+
+
+def _grid_backward(g, buf, dybuf, dbuf, wt, ws, dwt, dws, nc, group, cg, og, first, stacked):
+    """Accumulate dW (into dwt or dws) and d(buf) (into dbuf) for one chunk."""
+    L = g.span(nc)
+    pstride = nc * g.qsize
+    offs = [ph * pstride + sh for ph, sh in zip(g.tap_phase, g.tap_shift)]
+    T = g.ntaps
+    if cg == 1 and group > 1:
+        _depthwise_backward(buf, dybuf, dbuf, wt, dwt, offs, L, group, og, first)
+        return
+    dt = dybuf.dtype
+    if stacked:
+        lb = min(L, _col_block((og + 2 * T * cg) * dybuf.itemsize))
+        cols = np.empty((T * cg, lb), dt) if buf is not None else None
+        dcols = np.empty((T * cg, lb), dt) if dbuf is not None else None
+        for gi in range(group):
+            dy = dybuf[gi * og:(gi + 1) * og]
+            for bi, c0 in enumerate(range(0, L, lb)):
+                n = min(lb, L - c0)
+                dyb = dy[:, c0:c0 + n]
+                if dws is not None:
+                    src = buf[gi * cg:(gi + 1) * cg]
+                    for t, off in enumerate(offs):
+                        np.copyto(cols[t * cg:(t + 1) * cg, :n], src[:, off + c0:off + c0 + n])
+                    _gemm(dyb, cols[:, :n], dws[gi], trans_b=True,
+                          beta=0.0 if (first and bi == 0) else 1.0)
+                if dbuf is not None:
+                    dst = dbuf[gi * cg:(gi + 1) * cg]
+                    _gemm(ws[gi], dyb, dcols[:, :n], trans_a=True)
+                    for t, off in enumerate(offs):
+                        d = dst[:, off + c0:off + c0 + n]
+                        np.add(d, dcols[t * cg:(t + 1) * cg, :n], out=d)
+        return
+    lb = min(L, _col_block((og + 2 * cg) * dt.itemsize))
+    for gi in range(group):
+        dy = dybuf[gi * og:(gi + 1) * og]
+        src = buf[gi * cg:(gi + 1) * cg] if buf is not None else None
+        dst = dbuf[gi * cg:(gi + 1) * cg] if dbuf is not None else None
+        for bi, c0 in enumerate(range(0, L, lb)):
+            n = min(lb, L - c0)
+            dyb = dy[:, c0:c0 + n]
+            for t, off in enumerate(offs):
+                if dwt is not None:
+                    _gemm(dyb, src[:, off + c0:off + c0 + n], dwt[gi, t], trans_b=True,
+                          beta=0.0 if (first and bi == 0) else 1.0)
+                if dst is not None:
+                    _gemm(wt[gi, t], dyb, dst[:, off + c0:off + c0 + n], trans_a=True,
+                          beta=1.0)
+
+
+def _depthwise_forward(buf, wt, ybuf, offs, L, group, og):
+    """One input channel per group: elementwise multiply-adds beat 1-row GEMMs."""
+    y = ybuf[:, :L].reshape(group, og, L)
+    lb = _col_block(2 * og * buf.itemsize) * 4
+    tmp = np.empty((group, og, min(lb, L)), buf.dtype)
+    for c0 in range(0, L, lb):
+        n = min(lb, L - c0)
+        yb = y[:, :, c0:c0 + n]
+        tb = tmp[:, :, :n]
+        for t, off in enumerate(offs):
+            xs = buf[:, None, off + c0:off + c0 + n]
+            wv = wt[:, t, :, :]  # (group, og, 1)
+            if t == 0:
+                np.multiply(wv, xs, out=yb)
+            else:
+                np.multiply(wv, xs, out=tb)
+                yb += tb
+
+
+def _depthwise_backward(buf, dybuf, dbuf, wt, dwt, offs, L, group, og, first):
+    dy = dybuf[:, :L].reshape(group, og, L)
+    for t, off in enumerate(offs):
+        if dwt is not None:
+            xs = buf[:, off:off + L]
+            part = np.matmul(dy, xs[:, :, None])  # (group, og, 1)
+            if first:
+                dwt[:, t] = part
+            else:
+                dwt[:, t] += part
+        if dbuf is not None:
+            d = dbuf[:, off:off + L]
+            d += np.matmul(wt[:, t].transpose(0, 2, 1), dy)[:, 0, :]
+
+
+# --------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------
+
+def _check(x, w, group, what):
+    if x.ndim < 3 or w.ndim != x.ndim:
+        raise ValueError(f"{what}: expected x (N, C, *S) and w with as many axes, got "
+                         f"{x.shape} and {w.shape}")
+    if group < 1 or w.shape[0] % group:
+        raise ValueError(f"{what}: {w.shape[0]} filters are not divisible by group {group}")
+
+
+def _dtype(*arrays):
+    dt = np.result_type(*[a.dtype for a in arrays if a is not None])
+    if dt.kind != "f":
+        dt = np.dtype(np.float64)
+    return dt
+
+
+def _bias_shape(nd):
+    return (1, -1) + (1,) * nd
+
+
+def conv_forward(x, w, b, stride, pad, dilation, group):
+    """x (N, C, *S), w (O, C//group, *K), b (O,) or None -> y (N, O, *S_out), C-contiguous."""
+    x = np.asarray(x)
+    w = np.asarray(w)
+    _check(x, w, group, "conv_forward")
+    dt = _dtype(x, w, b)
+    n, c = x.shape[:2]
+    o, cg = w.shape[:2]
+    if c != cg * group:
+        raise ValueError(f"conv_forward: input has {c} channels, weights expect {cg * group}")
+    g = _Geom(x.shape[2:], w.shape[2:], stride, pad, dilation)
+    x = x.astype(dt, copy=False)
+    w = w.astype(dt, copy=False)
+    og = o // group
+    y = np.empty((n, o) + g.out, dt)
+    bias = None if b is None else np.asarray(b, dt).reshape(_bias_shape(g.nd))
+    if n == 0:
+        return y
+    if _is_pointwise(g) and g.qsize >= 1024:
+        _pointwise_forward(x, w, y, group)
+        if bias is not None:
+            y += bias
+        return y
+    stacked = _use_stacked(cg, og, g.ntaps) and not (cg == 1 and group > 1)
+    wt = _tap_weights(w, group)
+    ws = _stacked_weights(w, group) if stacked else None
+    per_image = (c * len(g.phases) + o) * g.qsize * dt.itemsize
+    nc = _workspace_chunk(per_image, n)
+    for n0 in range(0, n, nc):
+        m = min(nc, n - n0)
+        buf = _gather(g, x[n0:n0 + m], dt)
+        ybuf = np.empty((o, m * g.qsize), dt)
+        _grid_forward(g, buf, wt, ws, ybuf, m, group, cg, og)
+        yv = _grid_view(g, ybuf, m)
+        if bias is None:
+            np.copyto(y[n0:n0 + m], yv)
+        else:
+            np.add(yv, bias, out=y[n0:n0 + m])
+    return y
+
+
+def conv_backward(dy, x, w, stride, pad, dilation, group,
+                  need_dx=True, need_dw=True, need_db=True):
+    """Gradients of conv_forward: (dx or None, dw or None, db or None).
+
+    ``x`` is only read for dw; when need_dw is False it may be any object
+    with the input's ``shape``. dw/db are this call's gradient alone.
+    """
+    dy = np.asarray(dy)
+    w = np.asarray(w)
+    x_shape = tuple(x.shape)
+    if need_dw:
+        x = np.asarray(x)
+    dt = _dtype(dy, w, x if need_dw else None)
+    return _conv_backward(dy.astype(dt, copy=False), x if need_dw else None, x_shape,
+                          w.astype(dt, copy=False), stride, pad, dilation, group,
+                          need_dx, need_dw, need_db, dt)
+
+
+def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
+                   need_dx, need_dw, need_db, dt):
+    if len(x_shape) < 3 or w.ndim != len(x_shape):
+        raise ValueError(f"conv_backward: expected x (N, C, *S) and w with as many axes, "
+                         f"got {x_shape} and {w.shape}")
+    if group < 1 or w.shape[0] % group:
+        raise ValueError(f"conv_backward: {w.shape[0]} filters are not divisible by "
+                         f"group {group}")
+    n, c = x_shape[:2]
+    o, cg = w.shape[:2]
+    og = o // group
+    if c != cg * group:
+        raise ValueError(f"conv_backward: input has {c} channels, weights expect {cg * group}")
+    g = _Geom(x_shape[2:], w.shape[2:], stride, pad, dilation)
+    if dy.shape != (n, o) + g.out:
+        raise ValueError(f"conv_backward: dy has shape {dy.shape}, expected {(n, o) + g.out}")
+    db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=dt) if need_db else None
+    if not (need_dx or need_dw):
+        return None, None, db
+    dx = None
+    if need_dx:
+        dx = (np.empty if g.x_full else np.zeros)(x_shape, dt)
+    if n == 0:
+        return dx, (np.zeros(w.shape, dt) if need_dw else None), db
+    if _is_pointwise(g) and g.qsize >= 1024:
+        dw = _pointwise_backward(dy, x, w, dx, group, need_dw)
+        return dx, dw, db
+    stacked = _use_stacked(cg, og, g.ntaps) and not (cg == 1 and group > 1)
+    wt = _tap_weights(w, group)
+    ws = _stacked_weights(w, group) if (stacked and need_dx) else None
+    dwt = dws = None
+    if need_dw:
+        if stacked:
+            dws = np.empty((group, og, g.ntaps * cg), dt)
+        else:
+            dwt = np.empty((group, g.ntaps, og, cg), dt)
+    planes = c * len(g.phases) * (int(need_dw) + int(need_dx)) + o
+    nc = _workspace_chunk(planes * g.qsize * dt.itemsize, n)
+    for i, n0 in enumerate(range(0, n, nc)):
+        m = min(nc, n - n0)
+        buf = _gather(g, x[n0:n0 + m], dt) if need_dw else None
+        dybuf = np.zeros((o, m * g.qsize), dt) if not _grid_dense(g) \
+            else np.empty((o, m * g.qsize), dt)
+        np.copyto(_grid_view(g, dybuf, m), dy[n0:n0 + m])
+        dbuf = np.zeros((c, len(g.phases) * m * g.qsize), dt) if need_dx else None
+        _grid_backward(g, buf, dybuf, dbuf, wt, ws, dwt, dws, m, group, cg, og,
+                       first=(i == 0), stacked=stacked)
+        if need_dx:
+            _scatter_add(g, dbuf, dx[n0:n0 + m], m)
+    dw = None
+    if need_dw:
+        kshape = w.shape[2:]
+        if dws is not None:
+            dw = dws.reshape(group, og, g.ntaps, cg).transpose(0, 1, 3, 2).reshape(w.shape)
+        else:
+            dw = dwt.transpose(0, 2, 3, 1).reshape((o, cg) + kshape)
+        dw = np.ascontiguousarray(dw)
+    return dx, dw, db
+
+
+def _grid_dense(g):
+    """True when the (images, *Q) grid has no garbage cells."""
+    return g.q == g.out
+
+
+def _is_pointwise(g):
+    return (g.ntaps == 1 and all(s == 1 for s in g.stride) and all(p == 0 for p in g.pad))
+
+
+def _pointwise_forward(x, w, y, group):
+    """1x1 stride-1 unpadded conv: one GEMM per image straight into y."""
+    n, c = x.shape[:2]
+    o, cg = w.shape[:2]
+    og = o // group
+    hw = math.prod(x.shape[2:])
+    xs = x.reshape(n, c, hw)
+    ys = y.reshape(n, o, hw)
+    w2 = np.ascontiguousarray(w.reshape(o, cg))
+    for i in range(n):
+        for gi in range(group):
+            _gemm(w2[gi * og:(gi + 1) * og], xs[i, gi * cg:(gi + 1) * cg],
+                  ys[i, gi * og:(gi + 1) * og])
+
+
+def _pointwise_backward(dy, x, w, dx, group, need_dw):
+    n = dy.shape[0]
+    o, cg = w.shape[:2]
+    og = o // group
+    c = cg * group
+    hw = math.prod(dy.shape[2:])
+    dys = dy.reshape(n, o, hw)
+    w2 = np.ascontiguousarray(w.reshape(o, cg))
+    dw = np.empty((o, cg), dy.dtype) if need_dw else None
+    xs = x.reshape(n, c, hw) if need_dw else None
+    dxs = dx.reshape(n, c, hw) if dx is not None else None
+    for i in range(n):
+        for gi in range(group):
+            dyi = dys[i, gi * og:(gi + 1) * og]
+            if need_dw:
+                _gemm(dyi, xs[i, gi * cg:(gi + 1) * cg], dw[gi * og:(gi + 1) * og],
+                      trans_b=True, beta=1.0 if i else 0.0)
+            if dxs is not None:
+                _gemm(w2[gi * og:(gi + 1) * og], dyi, dxs[i, gi * cg:(gi + 1) * cg],
+                      trans_a=True)
+    return None if dw is None else dw.reshape(w.shape)
+
+
+def _deconv_geom_shape(x_shape, w, stride, pad, dilation, group):
+    nd = len(x_shape) - 2
+    kernel = w.shape[2:]
+    stride = _tuple(stride, nd, "stride")
+    pad = _tuple(pad, nd, "pad")
+    dilation = _tuple(dilation, nd, "dilation")
+    out = tuple(s * (i - 1) + d * (k - 1) + 1 - 2 * p
+                for i, k, s, p, d in zip(x_shape[2:], kernel, stride, pad, dilation))
+    if min(out, default=1) < 1:
+        raise ValueError(f"deconvolution output would be empty: input {tuple(x_shape[2:])}")
+    return (x_shape[0], w.shape[1] * group) + out
+
+
+def deconv_forward(x, w, b, stride, pad, dilation, group):
+    """Caffe Deconvolution: x (N, Cin, *S), w (Cin, Cout//group, *K), b (Cout,)."""
+    x = np.asarray(x)
+    w = np.asarray(w)
+    _check(x, w, group, "deconv_forward")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"deconv_forward: input has {x.shape[1]} channels, weights expect "
+                         f"{w.shape[0]}")
+    dt = _dtype(x, w, b)
+    y_shape = _deconv_geom_shape(x.shape, w, stride, pad, dilation, group)
+    y, _, _ = _conv_backward(x.astype(dt, copy=False), None, y_shape, w.astype(dt, copy=False),
+                             stride, pad, dilation, group, True, False, False, dt)
+    if b is not None:
+        y += np.asarray(b, dt).reshape(_bias_shape(len(y_shape) - 2))
+    return y
+
+
+def deconv_backward(dy, x, w, stride, pad, dilation, group,
+                    need_dx=True, need_dw=True, need_db=True):
+    """Gradients of deconv_forward: (dx or None, dw or None, db or None)."""
+    dy = np.asarray(dy)
+    x = np.asarray(x)
+    w = np.asarray(w)
+    dt = _dtype(dy, x, w)
+    dy = dy.astype(dt, copy=False)
+    x = x.astype(dt, copy=False)
+    w = w.astype(dt, copy=False)
+    db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=dt) if need_db else None
+    dx = conv_forward(dy, w, None, stride, pad, dilation, group) if need_dx else None
+    dw = None
+    if need_dw:
+        _, dw, _ = _conv_backward(x, dy, dy.shape, w, stride, pad, dilation, group,
+                                  False, True, False, dt)
+    return dx, dw, db
+
+
+def im2col(x, kernel, stride, pad, dilation):
+    """Caffe's Im2col layer: (N, C, *S) -> (N, C*prod(K), *S_out), rows ordered (c, *k)."""
+    x = np.asarray(x)
+    nd = x.ndim - 2
+    g = _Geom(x.shape[2:], _tuple(kernel, nd, "kernel"), stride, pad, dilation)
+    n, c = x.shape[:2]
+    xp = np.zeros((n, c) + tuple(i + 2 * p for i, p in zip(g.in_sp, g.pad)), x.dtype)
+    xp[(slice(None), slice(None)) + tuple(slice(p, p + i) for p, i in zip(g.pad, g.in_sp))] = x
+    cols = np.empty((n, c) + g.kernel + g.out, x.dtype)
+    for kidx in itertools.product(*[range(k) for k in g.kernel]):
+        src = tuple(slice(i * d, i * d + (o - 1) * s + 1, s)
+                    for i, d, s, o in zip(kidx, g.dilation, g.stride, g.out))
+        cols[(slice(None), slice(None)) + kidx] = xp[(slice(None), slice(None)) + src]
+    return cols.reshape((n, c * g.ntaps) + g.out)
+
+
+def col2im(cols, x_shape, kernel, stride, pad, dilation):
+    """Adjoint of im2col: sums every column entry back onto its input pixel."""
+    cols = np.asarray(cols)
+    nd = len(x_shape) - 2
+    g = _Geom(x_shape[2:], _tuple(kernel, nd, "kernel"), stride, pad, dilation)
+    n, c = x_shape[:2]
+    cv = cols.reshape((n, c) + g.kernel + g.out)
+    xp = np.zeros((n, c) + tuple(i + 2 * p for i, p in zip(g.in_sp, g.pad)), cols.dtype)
+    for kidx in itertools.product(*[range(k) for k in g.kernel]):
+        dst = tuple(slice(i * d, i * d + (o - 1) * s + 1, s)
+                    for i, d, s, o in zip(kidx, g.dilation, g.stride, g.out))
+        xp[(slice(None), slice(None)) + dst] += cv[(slice(None), slice(None)) + kidx]
+    return np.ascontiguousarray(
+        xp[(slice(None), slice(None)) + tuple(slice(p, p + i) for p, i in zip(g.pad, g.in_sp))])

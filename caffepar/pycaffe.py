@@ -1,0 +1,38 @@
+"""pycaffe's Python API over caffepar, so scripts run after `import caffepar as caffe`."""
+import numpy as np
+
+from caffepar import common
+from caffepar.errors import NetError
+from caffepar.graph import net as _net
+
+TRAIN = _net.TRAIN
+TEST = _net.TEST
+set_mode_cpu = common.set_mode_cpu
+set_mode_gpu = common.set_mode_gpu
+set_device = common.set_device
+set_random_seed = common.set_random_seed
+
+
+class Net(_net.Net):
+    """pycaffe's constructor forms:
+    Net(model, phase), Net(model, weights, phase), Net(model, phase, weights=..., level=, stages=)."""
+
+    def __init__(self, model, *args, phase=None, weights=None, level=0, stages=(),
+                 dtype=np.float32):
+        args = list(args)
+        if args and isinstance(args[0], (str, bytes)) or (args and hasattr(args[0], "__fspath__")):
+            if weights is not None:
+                raise NetError("weights given twice (positional and keyword)")
+            weights = args.pop(0)
+        if args:
+            if phase is not None:
+                raise NetError("phase given twice (positional and keyword)")
+            phase = args.pop(0)
+        if args:
+            raise NetError(f"unexpected arguments to Net: {args!r}")
+        if phase is None:
+            raise NetError("Net needs a phase: caffe.TRAIN or caffe.TEST")
+        if phase not in (TRAIN, TEST):
+            raise NetError(f"phase must be caffe.TRAIN ({TRAIN}) or caffe.TEST ({TEST}), got {phase!r}")
+        super().__init__(model, phase=phase, level=level, stages=tuple(stages), weights=weights,
+                         dtype=dtype)

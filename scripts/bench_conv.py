@@ -1,0 +1,106 @@
+"""Convolution forward+backward speed on VGG-16 and cifar10_quick conv layers.
+
+For every layer it times conv_forward plus conv_backward with dx, dw and db
+all requested (the real nets may skip dx on their first layer; here it is
+always measured and counted), and compares the rate with NumPy's float32
+matrix product of 2048x2048 measured on the same machine right before.
+
+FLOPs per layer = 3 * 2 * N * O * (C/group) * prod(K) * prod(S_out).
+
+Usage: python scripts/bench_conv.py [--net vgg|cifar|all] [--repeat R]
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from caffepar.layers import conv_math as cm  # noqa: E402
+
+# name, batch, C, O, spatial, kernel, pad
+VGG16 = [
+    ("conv1_1", 8, 3, 64, 224, 3, 1),
+    ("conv1_2", 8, 64, 64, 224, 3, 1),
+    ("conv2_1", 8, 64, 128, 112, 3, 1),
+    ("conv2_2", 8, 128, 128, 112, 3, 1),
+    ("conv3_1", 8, 128, 256, 56, 3, 1),
+    ("conv3_2", 8, 256, 256, 56, 3, 1),
+    ("conv3_3", 8, 256, 256, 56, 3, 1),
+    ("conv4_1", 8, 256, 512, 28, 3, 1),
+    ("conv4_2", 8, 512, 512, 28, 3, 1),
+    ("conv4_3", 8, 512, 512, 28, 3, 1),
+    ("conv5_1", 8, 512, 512, 14, 3, 1),
+    ("conv5_2", 8, 512, 512, 14, 3, 1),
+    ("conv5_3", 8, 512, 512, 14, 3, 1),
+]
+CIFAR10_QUICK = [
+    ("cifar conv1", 100, 3, 32, 32, 5, 2),
+    ("cifar conv2", 100, 32, 32, 16, 5, 2),
+    ("cifar conv3", 100, 32, 64, 8, 5, 2),
+]
+
+
+def best_time(fn, repeat):
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def sgemm_rate(repeat=5):
+    a = np.random.default_rng(0).standard_normal((2048, 2048)).astype(np.float32)
+    return 2 * 2048 ** 3 / best_time(lambda: np.dot(a, a), repeat) / 1e9
+
+
+def bench_layer(n, c, o, size, k, pad, repeat):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, c, size, size), dtype=np.float32)
+    w = rng.standard_normal((o, c, k, k), dtype=np.float32) * 0.05
+    b = rng.standard_normal(o, dtype=np.float32)
+    conv = ((1, 1), (pad, pad), (1, 1), 1)
+    y = cm.conv_forward(x, w, b, *conv)
+    dy = rng.standard_normal(y.shape, dtype=np.float32)
+    del y
+
+    def step():
+        cm.conv_forward(x, w, b, *conv)
+        cm.conv_backward(dy, x, w, *conv)
+
+    t = best_time(step, repeat)
+    flops = 3 * 2 * n * o * c * k * k * dy.shape[2] * dy.shape[3]
+    return t, flops / t / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--net", choices=("vgg", "cifar", "all"), default="all")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    layers = (VGG16 if args.net in ("vgg", "all") else []) + \
+             (CIFAR10_QUICK if args.net in ("cifar", "all") else [])
+    ref = sgemm_rate()
+    print(f"NumPy SGEMM 2048x2048 float32: {ref:.1f} GFLOP/s")
+    print("forward + backward (dx, dw, db all computed, also on first layers)")
+    print(f"{'layer':<12} {'batch':>5} {'C->O':>9} {'size':>5} {'k':>3} "
+          f"{'time ms':>9} {'GFLOP/s':>8} {'% SGEMM':>8}")
+    pcts = []
+    for name, n, c, o, size, k, pad in layers:
+        t, rate = bench_layer(n, c, o, size, k, pad, args.repeat)
+        pct = 100 * rate / ref
+        pcts.append(pct)
+        print(f"{name:<12} {n:>5} {f'{c}->{o}':>9} {size:>5} {k:>3} "
+              f"{1e3 * t:>9.1f} {rate:>8.1f} {pct:>7.1f}%", flush=True)
+    ref2 = sgemm_rate()
+    print(f"average {sum(pcts) / len(pcts):.1f}% of SGEMM, minimum {min(pcts):.1f}% "
+          f"(SGEMM re-measured after the run: {ref2:.1f} GFLOP/s)")
+
+
+if __name__ == "__main__":
+    main()

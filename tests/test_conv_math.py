@@ -1,0 +1,312 @@
+"""Convolution math against naive references and adjoint identities."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from caffepar.layers import conv_math as cm
+
+
+# ---------------------------------------------------------------- references
+
+def _taps(kernel):
+    return itertools.product(*[range(k) for k in kernel])
+
+
+def _tap_slices(kidx, dilation, stride, out):
+    return tuple(slice(i * d, i * d + (o - 1) * s + 1, s)
+                 for i, d, s, o in zip(kidx, dilation, stride, out))
+
+
+def ref_conv(x, w, b, stride, pad, dilation, group):
+    """Direct convolution, one einsum per tap and group."""
+    n, c = x.shape[:2]
+    o, cg = w.shape[:2]
+    og = o // group
+    out = cm.conv_output_shape(x.shape[2:], w.shape[2:], stride, pad, dilation)
+    xp = np.pad(x, [(0, 0), (0, 0)] + [(p, p) for p in pad])
+    y = np.zeros((n, o) + out)
+    for kidx in _taps(w.shape[2:]):
+        xs = xp[(slice(None), slice(None)) + _tap_slices(kidx, dilation, stride, out)]
+        for g in range(group):
+            y[:, g * og:(g + 1) * og] += np.einsum(
+                "nc...,oc->no...", xs[:, g * cg:(g + 1) * cg],
+                w[(slice(g * og, (g + 1) * og), slice(None)) + kidx])
+    if b is not None:
+        y += b.reshape((1, -1) + (1,) * len(out))
+    return y
+
+
+def ref_conv_grads(dy, x, w, stride, pad, dilation, group):
+    n, c = x.shape[:2]
+    o, cg = w.shape[:2]
+    og = o // group
+    out = dy.shape[2:]
+    xp = np.pad(x, [(0, 0), (0, 0)] + [(p, p) for p in pad])
+    dxp = np.zeros_like(xp)
+    dw = np.zeros_like(w)
+    for kidx in _taps(w.shape[2:]):
+        sl = (slice(None), slice(None)) + _tap_slices(kidx, dilation, stride, out)
+        xs = xp[sl]
+        for g in range(group):
+            osl, csl = slice(g * og, (g + 1) * og), slice(g * cg, (g + 1) * cg)
+            red = [0] + list(range(2, dy.ndim))
+            dw[(osl, slice(None)) + kidx] = np.tensordot(dy[:, osl], xs[:, csl], (red, red))
+            dxp[sl][:, csl] += np.einsum("no...,oc->nc...", dy[:, osl],
+                                         w[(osl, slice(None)) + kidx])
+    crop = (slice(None), slice(None)) + tuple(slice(p, p + i) for p, i in zip(pad, x.shape[2:]))
+    db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)))
+    return dxp[crop], dw, db
+
+
+def loop_conv2d(x, w, b, stride, pad, dilation, group):
+    """Pixel-by-pixel 2-D convolution, to validate ref_conv itself."""
+    n, c, h, wd = x.shape
+    o, cg, kh, kw = w.shape
+    og = o // group
+    ho, wo = cm.conv_output_shape((h, wd), (kh, kw), stride, pad, dilation)
+    y = np.zeros((n, o, ho, wo))
+    for ni, oi, i, j in itertools.product(range(n), range(o), range(ho), range(wo)):
+        g = oi // og
+        acc = b[oi]
+        for ci, p, q in itertools.product(range(cg), range(kh), range(kw)):
+            r = i * stride[0] - pad[0] + p * dilation[0]
+            s = j * stride[1] - pad[1] + q * dilation[1]
+            if 0 <= r < h and 0 <= s < wd:
+                acc += x[ni, g * cg + ci, r, s] * w[oi, ci, p, q]
+        y[ni, oi, i, j] = acc
+    return y
+
+
+def ref_deconv(x, w, b, stride, pad, dilation, group):
+    """Caffe deconvolution by scattering every input pixel through the kernel."""
+    n, cin = x.shape[:2]
+    cig, cog = cin // group, w.shape[1]
+    insp = x.shape[2:]
+    full = tuple(s * (i - 1) + d * (k - 1) + 1
+                 for i, k, s, d in zip(insp, w.shape[2:], stride, dilation))
+    yp = np.zeros((n, cog * group) + full)
+    for kidx in _taps(w.shape[2:]):
+        sl = _tap_slices(kidx, dilation, stride, insp)
+        for g in range(group):
+            isl, osl = slice(g * cig, (g + 1) * cig), slice(g * cog, (g + 1) * cog)
+            yp[(slice(None), osl) + sl] += np.einsum("nc...,co->no...", x[:, isl],
+                                                     w[(isl, slice(None)) + kidx])
+    y = yp[(slice(None), slice(None)) + tuple(slice(p, f - p) for p, f in zip(pad, full))]
+    if b is not None:
+        y = y + b.reshape((1, -1) + (1,) * len(insp))
+    return y
+
+
+def close(a, b, tol):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    scale = max(np.abs(b).max(initial=0.0), 1e-30)
+    err = np.abs(a - b).max(initial=0.0)
+    assert err <= tol * scale, f"max error {err:.3g} vs scale {scale:.3g}"
+
+
+# ---------------------------------------------------------------- cases
+
+def case(n, c, sp, o, k, stride=1, pad=0, dil=1, group=1):
+    nd = len(sp)
+    t = lambda v: tuple(v) if isinstance(v, tuple) else (v,) * nd
+    return (n, c, tuple(sp), o, t(k), t(stride), t(pad), t(dil), group)
+
+
+CASES = [
+    case(1, 3, (7, 7), 4, 3, 1, 1),
+    case(3, 3, (7, 7), 4, 3, 1, 1),
+    case(3, 4, (8, 9), 6, 3, 2, 0),
+    case(2, 4, (9, 8), 4, 3, 3, 2, 1, 2),
+    case(2, 4, (10, 10), 6, 3, 1, 2, 2, 2),
+    case(2, 3, (11, 10), 4, 3, 2, 1, 2),
+    case(2, 4, (7, 7), 4, 3, 1, 1, 1, 4),          # depthwise
+    case(2, 3, (6, 7), 6, 3, 2, 1, 1, 3),          # depthwise, multiplier 2
+    case(2, 3, (9, 11), 5, (2, 4), (1, 2), (0, 1)),
+    case(2, 2, (8, 10), 3, (3, 1), (2, 1), (1, 0), (2, 1)),
+    case(3, 5, (4, 4), 7, 1),                      # 1x1
+    case(2, 3, (40, 40), 4, 1),                    # 1x1, per-image GEMM path
+    case(2, 4, (7, 7), 3, 1, 2),                   # 1x1 stride 2
+    case(2, 4, (5, 6), 3, 1, 1, 1),                # 1x1 pad 1
+    case(1, 2, (4, 4), 3, 2, 1, 2),                # pad >= kernel
+    case(2, 3, (10, 10), 4, 2, 3),                 # stride > kernel: unused pixels
+    case(2, 64, (6, 6), 8, 3, 1, 1),               # per-tap GEMM path
+    case(2, 64, (7, 8), 8, 3, 2, 1),               # per-tap GEMM, polyphase
+    case(1, 128, (5, 5), 6, 3, 2, 1, 1, 2),        # per-tap GEMM, groups
+    case(2, 64, (9, 9), 4, 3, 1, 2, 2),            # per-tap GEMM, dilation
+    case(2, 3, (10,), 4, 3, 2, 1),                 # 1-D
+    case(2, 3, (5, 6, 4), 4, (3, 2, 2), (1, 2, 1), (1, 0, 1), (1, 1, 2)),   # 3-D
+    case(1, 64, (4, 4, 4), 4, 3, 1, 1),            # 3-D per-tap path
+    case(2, 4, (5, 5, 5), 4, 3, 2, 1, 1, 2),       # 3-D stride 2 groups
+]
+
+
+def make(cs, seed=0, dtype=np.float64):
+    n, c, sp, o, k, stride, pad, dil, group = cs
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c) + sp)
+    w = rng.standard_normal((o, c // group) + k)
+    b = rng.standard_normal(o)
+    out = cm.conv_output_shape(sp, k, stride, pad, dil)
+    dy = rng.standard_normal((n, o) + out)
+    return [a.astype(dtype) for a in (x, w, b, dy)]
+
+
+def ids(cs):
+    n, c, sp, o, k, stride, pad, dil, group = cs
+    return f"n{n}c{c}s{'x'.join(map(str, sp))}o{o}k{'x'.join(map(str, k))}" \
+           f"st{''.join(map(str, stride))}p{''.join(map(str, pad))}" \
+           f"d{''.join(map(str, dil))}g{group}"
+
+
+# ---------------------------------------------------------------- tests
+
+def test_reference_matches_pixel_loops():
+    for cs in (case(2, 4, (7, 8), 6, (3, 2), (2, 1), (1, 2), (1, 2), 2),
+               case(1, 3, (6, 6), 3, 3, 1, 1, 1, 3)):
+        x, w, b, _ = make(cs)
+        args = cs[5:]
+        close(ref_conv(x, w, b, *args), loop_conv2d(x, w, b, *args), 1e-12)
+
+
+@pytest.mark.parametrize("cs", CASES, ids=ids)
+def test_conv_float64(cs):
+    x, w, b, dy = make(cs)
+    args = cs[5:]
+    y = cm.conv_forward(x, w, b, *args)
+    assert y.flags.c_contiguous and y.dtype == np.float64
+    close(y, ref_conv(x, w, b, *args), 1e-10)
+    dx, dw, db = cm.conv_backward(dy, x, w, *args)
+    rdx, rdw, rdb = ref_conv_grads(dy, x, w, *args)
+    close(dx, rdx, 1e-10)
+    close(dw, rdw, 1e-10)
+    close(db, rdb, 1e-10)
+    # Adjoint identities, independent of the reference.
+    w2 = np.random.default_rng(1).standard_normal(w.shape)
+    assert np.isclose(np.vdot(cm.conv_forward(x, w, None, *args), dy), np.vdot(x, dx),
+                      rtol=1e-10)
+    assert np.isclose(np.vdot(cm.conv_forward(x, w2, None, *args), dy), np.vdot(w2, dw),
+                      rtol=1e-10)
+
+
+@pytest.mark.parametrize("cs", CASES[::3], ids=ids)
+def test_conv_float32(cs):
+    x, w, b, dy = make(cs, dtype=np.float32)
+    args = cs[5:]
+    x64, w64, b64, dy64 = (a.astype(np.float64) for a in (x, w, b, dy))
+    y = cm.conv_forward(x, w, b, *args)
+    assert y.dtype == np.float32
+    close(y, ref_conv(x64, w64, b64, *args), 1e-4)
+    dx, dw, db = cm.conv_backward(dy, x, w, *args)
+    assert dx.dtype == dw.dtype == db.dtype == np.float32
+    for got, want in zip((dx, dw, db), ref_conv_grads(dy64, x64, w64, *args)):
+        close(got, want, 1e-4)
+
+
+def test_need_flags():
+    cs = case(2, 3, (6, 6), 4, 3, 2, 1)
+    x, w, b, dy = make(cs)
+    args = cs[5:]
+    full = cm.conv_backward(dy, x, w, *args)
+    assert cm.conv_backward(dy, x, w, *args, need_dx=False, need_db=False)[0::2] == (None, None)
+    close(cm.conv_backward(dy, x, w, *args, need_dx=False)[1], full[1], 1e-12)
+    dx, dw, db = cm.conv_backward(dy, x, w, *args, need_dw=False, need_db=False)
+    assert dw is None and db is None
+    close(dx, full[0], 1e-12)
+
+
+@pytest.mark.parametrize("cs", [CASES[1], CASES[3], CASES[7], CASES[16], CASES[17],
+                                CASES[21]], ids=ids)
+def test_small_workspace_and_blocks(cs, monkeypatch):
+    """Chunking over images and grid columns must not change results."""
+    monkeypatch.setattr(cm, "WORKSPACE_BYTES", 1)
+    monkeypatch.setattr(cm, "BLOCK_BYTES", 1)
+    x, w, b, dy = make(cs)
+    args = cs[5:]
+    close(cm.conv_forward(x, w, b, *args), ref_conv(x, w, b, *args), 1e-10)
+    for got, want in zip(cm.conv_backward(dy, x, w, *args), ref_conv_grads(dy, x, w, *args)):
+        close(got, want, 1e-10)
+
+
+DECONV_CASES = [
+    case(2, 4, (5, 5), 3, 3, 1, 1),
+    case(2, 4, (4, 5), 6, 3, 2, 1),
+    case(1, 4, (4, 4), 4, (4, 3), (2, 3), (1, 0), (1, 2), 2),
+    case(2, 3, (5, 5), 3, 3, 2, 0, 1, 3),     # depthwise
+    case(1, 64, (3, 4), 4, 2, 2, 0),          # per-tap GEMM path
+    case(2, 3, (3, 4, 3), 2, (2, 3, 2), (2, 1, 2), (0, 1, 1)),   # 3-D
+]
+
+
+@pytest.mark.parametrize("cs", DECONV_CASES, ids=ids)
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-4)])
+def test_deconv(cs, dtype, tol):
+    n, cin, sp, cout, k, stride, pad, dil, group = cs
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, cin) + sp)
+    w = rng.standard_normal((cin, cout // group) + k)
+    b = rng.standard_normal(cout)
+    args = (stride, pad, dil, group)
+    want = ref_deconv(x, w, b, *args)
+    y = cm.deconv_forward(x.astype(dtype), w.astype(dtype), b.astype(dtype), *args)
+    assert y.dtype == dtype and y.flags.c_contiguous
+    close(y, want, tol)
+    dy = rng.standard_normal(y.shape)
+    dx, dw, db = cm.deconv_backward(dy.astype(dtype), x.astype(dtype), w.astype(dtype), *args)
+    # dx is a convolution of dy with the same weights.
+    close(dx, ref_conv(dy, w, None, *args), tol)
+    close(db, dy.sum(axis=(0,) + tuple(range(2, dy.ndim))), tol)
+    # <deconv(x, w2), dy> == <w2, dw> and <deconv(x), dy> == <x, dx>.
+    w2 = rng.standard_normal(w.shape)
+    assert np.isclose(np.vdot(ref_deconv(x, w2, None, *args), dy), np.vdot(w2, dw),
+                      rtol=10 * tol)
+    assert np.isclose(np.vdot(ref_deconv(x, w, None, *args), dy), np.vdot(x, dx),
+                      rtol=10 * tol)
+    # Deconvolution is the adjoint of convolution with the same weight blob.
+    xc = rng.standard_normal(y.shape)
+    yc = cm.conv_forward(xc, w, None, *args)
+    assert yc.shape == x.shape
+    assert np.isclose(np.vdot(yc, x), np.vdot(xc, ref_deconv(x, w, None, *args)), rtol=1e-10)
+
+
+def test_im2col_layout_by_hand():
+    x = np.arange(18, dtype=np.float64).reshape(1, 2, 3, 3)
+    cols = cm.im2col(x, (2, 2), (1, 1), (0, 0), (1, 1))
+    assert cols.shape == (1, 8, 2, 2)
+    assert cols[0, 0].tolist() == [[0, 1], [3, 4]]          # c0, (0, 0)
+    assert cols[0, 1].tolist() == [[1, 2], [4, 5]]          # c0, (0, 1)
+    assert cols[0, 2].tolist() == [[3, 4], [6, 7]]          # c0, (1, 0)
+    assert cols[0, 3].tolist() == [[4, 5], [7, 8]]          # c0, (1, 1)
+    assert cols[0, 4].tolist() == [[9, 10], [12, 13]]       # c1, (0, 0)
+    cols = cm.im2col(x[:, :1], (2, 2), (2, 2), (1, 1), (1, 1))
+    assert cols[0, :, 0, 0].tolist() == [0, 0, 0, 0]        # all padding
+    assert cols[0, :, 1, 1].tolist() == [4, 5, 7, 8]
+
+
+@pytest.mark.parametrize("cs", [CASES[2], CASES[9], CASES[21]], ids=ids)
+def test_im2col_col2im(cs):
+    n, c, sp, o, k, stride, pad, dil, group = cs
+    x, _, _, _ = make(cs)
+    cols = cm.im2col(x, k, stride, pad, dil)
+    out = cm.conv_output_shape(sp, k, stride, pad, dil)
+    assert cols.shape == (n, c * int(np.prod(k))) + out
+    # A convolution is the weight matrix times the columns.
+    w = np.random.default_rng(2).standard_normal((o, c) + k)
+    y = np.einsum("ok,nk...->no...", w.reshape(o, -1), cols)
+    close(y, ref_conv(x, w, None, stride, pad, dil, 1), 1e-12)
+    r = np.random.default_rng(4).standard_normal(cols.shape)
+    back = cm.col2im(r, x.shape, k, stride, pad, dil)
+    assert back.shape == x.shape
+    assert np.isclose(np.vdot(cols, r), np.vdot(x, back), rtol=1e-12)
+
+
+def test_output_shape_and_errors():
+    assert cm.conv_output_shape((224, 224), (3, 3), (1, 1), (1, 1), (1, 1)) == (224, 224)
+    assert cm.conv_output_shape((227, 100), (11, 3), (4, 2), (0, 1), (1, 2)) == (55, 49)
+    x = np.zeros((1, 3, 2, 2))
+    with pytest.raises(ValueError):
+        cm.conv_forward(x, np.zeros((4, 3, 5, 5)), None, (1, 1), (0, 0), (1, 1), 1)
+    with pytest.raises(ValueError):
+        cm.conv_forward(x, np.zeros((4, 2, 1, 1)), None, (1, 1), (0, 0), (1, 1), 1)

@@ -1,0 +1,340 @@
+"""Checks on proto/caffe.proto and the generated caffepar/proto/caffe_pb2.py.
+
+* the committed caffe_pb2.py matches proto/caffe.proto (not stale);
+* the Caffe-compatible part of the schema has not drifted (pinned digest);
+* every real Caffe file in the shared data directory parses with no unknown
+  fields (binary files) or no parse errors (text files);
+* the caffepar extension fields exist, round-trip, and are skipped as
+  unknown fields by a schema that lacks them (as Caffe's does).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import struct
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
+
+from caffepar.proto import caffe_pb2
+
+REPO = Path(__file__).resolve().parents[1]
+PROTO_DIR = REPO / "proto"
+PROTO_FILE = PROTO_DIR / "caffe.proto"
+PB2_FILE = REPO / "caffepar" / "proto" / "caffe_pb2.py"
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+# caffepar-only fields: (message full name, field name) -> field number.
+EXTENSIONS = {
+    ("caffe.LayerParameter", "parallel_mode"): 1000,
+    ("caffe.SolverState", "data_position"): 1000,
+    ("caffe.SolverState", "rng_state"): 1001,
+}
+EXTENSION_ENUMS = {"caffe.LayerParameter.ParallelMode"}
+
+# sha256 of the canonical listing (see _caffe_fingerprint) of everything in
+# the schema except EXTENSIONS / EXTENSION_ENUMS. It was taken when the schema
+# was verified field by field against BVLC Caffe's caffe.proto; a change here
+# means a Caffe-visible fact (name, number, type, label, default, packed, enum
+# value) was edited. Add new caffepar-only fields to EXTENSIONS instead.
+CAFFE_FINGERPRINT = "3728f992a815bc63b3bae1a4511a80de0da0d6210f4d5e6f7cd376bb211ea7b0"
+
+
+# --------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------
+
+def _file_descriptor_proto() -> descriptor_pb2.FileDescriptorProto:
+    return descriptor_pb2.FileDescriptorProto.FromString(caffe_pb2.DESCRIPTOR.serialized_pb)
+
+
+def _caffe_fingerprint(fdp: descriptor_pb2.FileDescriptorProto) -> tuple[str, list[str]]:
+    lines: list[str] = [f"package {fdp.package}"]
+    labels = descriptor_pb2.FieldDescriptorProto.Label
+    types = descriptor_pb2.FieldDescriptorProto.Type
+
+    def enum_lines(full: str, enum) -> None:
+        if full in EXTENSION_ENUMS:
+            return
+        values = sorted((v.number, v.name) for v in enum.value)
+        lines.append(f"enum {full} first={enum.value[0].name} "
+                     + " ".join(f"{name}={num}" for num, name in values))
+
+    def message_lines(full: str, msg) -> None:
+        lines.append(f"message {full}")
+        for field in sorted(msg.field, key=lambda f: f.number):
+            if (full, field.name) in EXTENSIONS:
+                continue
+            default = field.default_value if field.HasField("default_value") else "-"
+            if default != "-" and field.type == field.TYPE_FLOAT:
+                # Spelling of float defaults differs between descriptor dumps
+                # ("0.999" vs "0.999000013"); compare the float32 value.
+                default = repr(struct.unpack("<f", struct.pack("<f", float(default)))[0])
+            elif default != "-" and field.type == field.TYPE_DOUBLE:
+                default = repr(float(default))
+            packed = field.options.packed if field.options.HasField("packed") else "-"
+            lines.append(f"{full} {field.number} {field.name} {labels.Name(field.label)} "
+                         f"{types.Name(field.type)} {field.type_name or '-'} "
+                         f"default={default} packed={packed}")
+        for enum in msg.enum_type:
+            enum_lines(f"{full}.{enum.name}", enum)
+        for nested in msg.nested_type:
+            message_lines(f"{full}.{nested.name}", nested)
+
+    for enum in fdp.enum_type:
+        enum_lines(f"{fdp.package}.{enum.name}", enum)
+    for msg in fdp.message_type:
+        message_lines(f"{fdp.package}.{msg.name}", msg)
+    lines.sort()
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest(), lines
+
+
+def _embedded_descriptor(pb2_path: Path) -> bytes:
+    """The serialized FileDescriptorProto a generated *_pb2.py registers."""
+    tree = ast.parse(pb2_path.read_text())
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "AddSerializedFile"):
+            return ast.literal_eval(node.args[0])
+    raise AssertionError(f"no AddSerializedFile(...) call in {pb2_path.name}")
+
+
+def _unknown_field_numbers(msg) -> list[int]:
+    try:  # protobuf >= 4.22 (required with the upb backend)
+        from google.protobuf import unknown_fields
+        return [f.field_number for f in unknown_fields.UnknownFieldSet(msg)]
+    except ImportError:  # older protobuf
+        return [f.field_number for f in msg.UnknownFields()]
+
+
+def _unknown_fields_anywhere(msg, path: str = "") -> list[str]:
+    """Paths of all unknown fields in `msg` and its sub-messages."""
+    name = path or msg.DESCRIPTOR.name
+    found = [f"{name}: field {n}" for n in _unknown_field_numbers(msg)]
+    for field, value in msg.ListFields():
+        if field.message_type is None:
+            continue
+        if field.is_repeated:
+            for i, item in enumerate(value):
+                found += _unknown_fields_anywhere(item, f"{name}.{field.name}[{i}]")
+        else:
+            found += _unknown_fields_anywhere(value, f"{name}.{field.name}")
+    return found
+
+
+_NO_SHARED = f"shared data directory not found (expected next to the repo: {SHARED.name}/)"
+
+
+def _shared_files(*patterns: str) -> list:
+    if not SHARED.is_dir():
+        return [pytest.param(None, marks=pytest.mark.skip(reason=_NO_SHARED), id="no-shared-data")]
+    files = sorted({p for pattern in patterns for p in SHARED.rglob(pattern) if p.is_file()})
+    if not files:
+        return [pytest.param(None, marks=pytest.mark.skip(reason=f"no {patterns} files under shared/"),
+                             id="none")]
+    return [pytest.param(p, id=str(p.relative_to(SHARED))) for p in files]
+
+
+# --------------------------------------------------------------------------
+# (1) the generated module is in sync with proto/caffe.proto
+# --------------------------------------------------------------------------
+
+def test_generated_module_is_not_stale(tmp_path):
+    if importlib.util.find_spec("grpc_tools") is None:
+        pytest.skip("grpc_tools (grpcio-tools) is not installed, cannot run protoc")
+    result = subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO_DIR}",
+         f"--python_out={tmp_path}", str(PROTO_FILE)],
+        capture_output=True, text=True)
+    assert result.returncode == 0, f"protoc failed:\n{result.stderr}"
+    stale = ("caffepar/proto/caffe_pb2.py is stale: regenerate it with\n"
+             "  python -m grpc_tools.protoc -Iproto --python_out=caffepar/proto proto/caffe.proto")
+    regenerated = _embedded_descriptor(tmp_path / "caffe_pb2.py")
+    assert Path(caffe_pb2.__file__).resolve() == PB2_FILE
+    assert regenerated == _embedded_descriptor(PB2_FILE), stale
+    # The runtime's DESCRIPTOR.serialized_pb is re-serialized from the loaded
+    # descriptor (upb spells float defaults differently from protoc), so load
+    # the regenerated bytes into a fresh pool and compare like with like.
+    fresh = descriptor_pool.DescriptorPool().AddSerializedFile(regenerated)
+    assert fresh.serialized_pb == caffe_pb2.DESCRIPTOR.serialized_pb, stale
+
+
+def test_caffe_part_of_schema_unchanged():
+    fdp = _file_descriptor_proto()
+    assert fdp.package == "caffe"
+    assert fdp.syntax in ("", "proto2")
+    digest, lines = _caffe_fingerprint(fdp)
+    assert digest == CAFFE_FINGERPRINT, (
+        "a Caffe-visible fact of proto/caffe.proto changed; it must stay identical to "
+        "BVLC Caffe's schema (new caffepar-only fields go into EXTENSIONS).\n"
+        + "\n".join(lines[:5]) + "\n...")
+
+
+def test_schema_has_all_caffe_messages():
+    names = set(caffe_pb2.DESCRIPTOR.message_types_by_name)
+    expected = {
+        "BlobShape", "BlobProto", "BlobProtoVector", "Datum", "FillerParameter",
+        "NetParameter", "SolverParameter", "SolverState", "NetState", "NetStateRule",
+        "ParamSpec", "LayerParameter", "TransformationParameter", "LossParameter",
+        "AccuracyParameter", "ArgMaxParameter", "BatchNormParameter", "BiasParameter",
+        "ClipParameter", "ConcatParameter", "ContrastiveLossParameter",
+        "ConvolutionParameter", "CropParameter", "DataParameter", "DropoutParameter",
+        "DummyDataParameter", "EltwiseParameter", "ELUParameter", "EmbedParameter",
+        "ExpParameter", "FlattenParameter", "HDF5DataParameter", "HDF5OutputParameter",
+        "HingeLossParameter", "ImageDataParameter", "InfogainLossParameter",
+        "InnerProductParameter", "InputParameter", "LogParameter", "LRNParameter",
+        "MemoryDataParameter", "MVNParameter", "ParameterParameter", "PoolingParameter",
+        "PowerParameter", "PReLUParameter", "PythonParameter", "RecurrentParameter",
+        "ReductionParameter", "ReLUParameter", "ReshapeParameter", "ScaleParameter",
+        "SigmoidParameter", "SliceParameter", "SoftmaxParameter", "SPPParameter",
+        "SwishParameter", "TanHParameter", "ThresholdParameter", "TileParameter",
+        "WindowDataParameter", "V1LayerParameter", "V0LayerParameter",
+    }
+    assert names == expected
+    assert set(caffe_pb2.DESCRIPTOR.enum_types_by_name) == {"Phase"}
+    layer = caffe_pb2.LayerParameter.DESCRIPTOR
+    standard = [f.number for f in layer.fields if (layer.full_name, f.name) not in EXTENSIONS]
+    assert max(standard) == 148
+
+
+# --------------------------------------------------------------------------
+# (2) real Caffe files parse cleanly
+# --------------------------------------------------------------------------
+
+def _check_binary(path: Path, message_class) -> None:
+    data = path.read_bytes()
+    msg = message_class()
+    msg.ParseFromString(data)
+    assert _unknown_fields_anywhere(msg) == [], f"{path.name} has fields the schema lacks"
+    # Nothing was dropped or re-encoded differently in size.
+    assert msg.ByteSize() == len(data)
+
+
+@pytest.mark.parametrize("path", _shared_files("*.caffemodel"))
+def test_caffemodel_parses_without_unknown_fields(path):
+    _check_binary(path, caffe_pb2.NetParameter)
+    net = caffe_pb2.NetParameter.FromString(path.read_bytes())
+    assert len(net.layer) + len(net.layers) > 0
+
+
+@pytest.mark.parametrize("path", _shared_files("*.solverstate"))
+def test_solverstate_parses_without_unknown_fields(path):
+    _check_binary(path, caffe_pb2.SolverState)
+    state = caffe_pb2.SolverState.FromString(path.read_bytes())
+    assert state.HasField("iter")
+
+
+@pytest.mark.parametrize("path", _shared_files("*.binaryproto"))
+def test_binaryproto_parses_without_unknown_fields(path):
+    _check_binary(path, caffe_pb2.BlobProto)
+
+
+@pytest.mark.parametrize("path", _shared_files("*.prototxt"))
+def test_prototxt_parses(path):
+    # text_format raises ParseError on any field the schema does not know.
+    if "solver" in path.name:
+        msg = caffe_pb2.SolverParameter()
+    else:
+        msg = caffe_pb2.NetParameter()
+    text_format.Merge(path.read_text(), msg)
+    if isinstance(msg, caffe_pb2.NetParameter):
+        assert len(msg.layer) + len(msg.layers) > 0
+
+
+# --------------------------------------------------------------------------
+# (3) caffepar extensions
+# --------------------------------------------------------------------------
+
+def test_extension_field_numbers_and_types():
+    for (message, field_name), number in EXTENSIONS.items():
+        desc = caffe_pb2.DESCRIPTOR.pool.FindMessageTypeByName(message)
+        assert desc.fields_by_name[field_name].number == number
+    layer = caffe_pb2.LayerParameter.DESCRIPTOR
+    mode = layer.fields_by_name["parallel_mode"]
+    assert mode.type == mode.TYPE_ENUM and not mode.is_repeated and mode.has_presence
+    assert not mode.has_default_value
+    assert mode.enum_type.full_name == "caffe.LayerParameter.ParallelMode"
+    assert {v.name: v.number for v in mode.enum_type.values} == {"DATA": 0, "MODEL": 1, "AUTO": 2}
+    assert caffe_pb2.LayerParameter.DATA == 0
+    assert caffe_pb2.LayerParameter.MODEL == 1
+    assert caffe_pb2.LayerParameter.AUTO == 2
+
+    state = caffe_pb2.SolverState.DESCRIPTOR
+    pos = state.fields_by_name["data_position"]
+    assert pos.type == pos.TYPE_INT64 and pos.is_repeated
+    rng = state.fields_by_name["rng_state"]
+    assert rng.type == rng.TYPE_BYTES and not rng.is_repeated and rng.has_presence
+
+
+def test_parallel_mode_round_trips():
+    layer = caffe_pb2.LayerParameter(name="fc1", type="InnerProduct",
+                                     parallel_mode=caffe_pb2.LayerParameter.MODEL)
+    back = caffe_pb2.LayerParameter.FromString(layer.SerializeToString())
+    assert back.HasField("parallel_mode")
+    assert back.parallel_mode == caffe_pb2.LayerParameter.MODEL
+    assert back == layer
+
+    text = text_format.MessageToString(layer)
+    assert "parallel_mode: MODEL" in text
+    assert text_format.Parse(text, caffe_pb2.LayerParameter()) == layer
+
+    # Explicitly setting the zero value still counts as set.
+    data = caffe_pb2.LayerParameter(parallel_mode=caffe_pb2.LayerParameter.DATA)
+    assert caffe_pb2.LayerParameter.FromString(data.SerializeToString()).HasField("parallel_mode")
+
+
+def test_parallel_mode_unset_means_run_default():
+    layer = caffe_pb2.LayerParameter(name="conv1", type="Convolution")
+    back = caffe_pb2.LayerParameter.FromString(layer.SerializeToString())
+    assert not back.HasField("parallel_mode")
+    assert "parallel_mode" not in text_format.MessageToString(back)
+
+
+def test_solverstate_extensions_round_trip():
+    state = caffe_pb2.SolverState(iter=50, current_step=1, rng_state=b"\x00\x01rng")
+    state.data_position.extend([1234, 0, 2**40])
+    back = caffe_pb2.SolverState.FromString(state.SerializeToString())
+    assert list(back.data_position) == [1234, 0, 2**40]
+    assert back.rng_state == b"\x00\x01rng"
+    assert back.iter == 50
+    assert not caffe_pb2.SolverState().HasField("rng_state")
+
+
+def _schema_without_extensions():
+    """Message classes for the schema with the caffepar-only fields removed,
+    i.e. what Caffe itself sees."""
+    fdp = _file_descriptor_proto()
+    by_name = {f"caffe.{m.name}": m for m in fdp.message_type}
+    for (message, field_name), _ in EXTENSIONS.items():
+        fields = by_name[message].field
+        index = next(i for i, f in enumerate(fields) if f.name == field_name)
+        del fields[index]
+    layer = by_name["caffe.LayerParameter"]
+    index = next(i for i, e in enumerate(layer.enum_type) if e.name == "ParallelMode")
+    del layer.enum_type[index]
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return lambda name: message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
+
+
+def test_extensions_are_skipped_by_plain_caffe_schema():
+    plain = _schema_without_extensions()
+
+    net = caffe_pb2.NetParameter(name="n")
+    net.layer.add(name="ip", type="InnerProduct", parallel_mode=caffe_pb2.LayerParameter.AUTO,
+                  bottom=["data"], top=["ip"]).inner_product_param.num_output = 10
+    old_net = plain("caffe.NetParameter").FromString(net.SerializeToString())
+    assert old_net.layer[0].name == "ip"
+    assert old_net.layer[0].inner_product_param.num_output == 10
+    assert _unknown_field_numbers(old_net.layer[0]) == [1000]
+    assert "parallel_mode" not in old_net.layer[0].DESCRIPTOR.fields_by_name
+
+    state = caffe_pb2.SolverState(iter=7, rng_state=b"abc", data_position=[3, 4])
+    old_state = plain("caffe.SolverState").FromString(state.SerializeToString())
+    assert old_state.iter == 7
+    assert sorted(set(_unknown_field_numbers(old_state))) == [1000, 1001]
