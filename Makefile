@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 
 ## The main job on a bundled default: time cifar10_quick's layers, forward and backward.
 demo: $(STAMP)
-	$(VENV)/bin/caffepar time --model models/cifar10_quick/cifar10_quick_train_test_dummy.prototxt --iterations 10
+	$(VENV)/bin/caffepar time --model models/cifar10_quick/train_val_dummy.prototxt --iterations 10
 
 ## The whole test suite (gradient checks, Caffe goldens, real models, CLI, MPI).
 test: $(STAMP)

@@ -30,7 +30,7 @@ class CaffeparError(Exception):
             what += ": "
         text = f"{where}error: {what}{self.message}"
         if self.hint:
-            text += f"\n  hint: {self.hint}"
+            text += f"; {self.hint}"
         return text
 
 

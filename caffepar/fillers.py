@@ -60,13 +60,14 @@ def _msra(f, shape, rng):
 
 
 def _bilinear(f, shape, rng):
+    """Upsampling kernel for Deconvolution, computed in float32 as Caffe does."""
     if len(shape) != 4 or shape[2] != shape[3]:
         raise ValueError("bilinear filler needs a 4-D blob with square kernels")
     size = shape[3]
     factor = math.ceil(size / 2.0)
-    center = (2 * factor - 1 - factor % 2) / (2.0 * factor)
-    ramp = 1.0 - np.abs(np.arange(size) / factor - center)
-    kernel = np.outer(ramp, ramp)
+    center = np.float32((size - 1) / (2.0 * factor))
+    ramp = np.float32(1) - np.abs(np.arange(size, dtype=np.float32) / np.float32(factor) - center)
+    kernel = np.outer(ramp, ramp).astype(np.float32)
     return np.broadcast_to(kernel, shape).copy()
 
 

@@ -215,14 +215,22 @@ def test_need_flags():
     dx, dw, db = cm.conv_backward(dy, x, w, *args, need_dw=False, need_db=False)
     assert dw is None and db is None
     close(dx, full[0], 1e-12)
+    dx, dw, db = cm.conv_backward(dy, x, w, *args, need_dx=False, need_dw=False)
+    assert dx is None and dw is None
+    close(db, full[2], 1e-12)
 
 
-@pytest.mark.parametrize("cs", [CASES[1], CASES[3], CASES[7], CASES[16], CASES[17],
+@pytest.mark.parametrize("cs", [CASES[1], CASES[3], CASES[7], CASES[9], CASES[16], CASES[17],
                                 CASES[21]], ids=ids)
-def test_small_workspace_and_blocks(cs, monkeypatch):
-    """Chunking over images and grid columns must not change results."""
+@pytest.mark.parametrize("direct", [1, 1 << 30])
+def test_small_workspace_and_blocks(cs, direct, monkeypatch):
+    """Chunking over images, rows and grid columns must not change results."""
     monkeypatch.setattr(cm, "WORKSPACE_BYTES", 1)
     monkeypatch.setattr(cm, "BLOCK_BYTES", 1)
+    monkeypatch.setattr(cm, "BLOCK_MIN_COLS", 7)
+    monkeypatch.setattr(cm, "COLS_BYTES", 1 if direct == 1 else 1 << 30)
+    monkeypatch.setattr(cm, "COLS_DIRECT_MIN", direct)
+    monkeypatch.setattr(cm, "COLS_BATCH", 20)
     x, w, b, dy = make(cs)
     args = cs[5:]
     close(cm.conv_forward(x, w, b, *args), ref_conv(x, w, b, *args), 1e-10)

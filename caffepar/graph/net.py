@@ -11,7 +11,7 @@ from collections import OrderedDict
 import numpy as np
 
 from caffepar.blob import Blob
-from caffepar.errors import CaffeparError, LayerError, NetError
+from caffepar.errors import CaffeparError, NetError, PrototxtError
 from caffepar.graph.passes import filter_net, insert_splits
 from caffepar.layers import create_layer
 from caffepar.proto import caffe_pb2
@@ -27,12 +27,17 @@ def load_net_param(source):
     if isinstance(source, caffe_pb2.NetParameter):
         net = caffe_pb2.NetParameter()
         net.CopyFrom(source)
-        smap = SourceMap(path="<NetParameter>")
+        smap = SourceMap(path=None)
         for lp in list(net.layer) + list(net.layers):
             smap.by_name.setdefault(lp.name, None)
     else:
         net, smap = read_net_text(source)
-    upgraded, _notes = upgrade_net(net, source=smap.path)
+    try:
+        upgraded, _notes = upgrade_net(net, source=smap.path)
+    except PrototxtError as e:
+        if e.line is None and net.layer and net.layers and smap.v1_layer_lines:
+            e.line = smap.v1_layer_lines[0]
+        raise
     return upgraded, smap
 
 
@@ -47,8 +52,8 @@ class Net:
         del param.state.stage[:]
         param.state.stage.extend(stages)
         self.source_map = smap
-        self.source_dir = os.path.dirname(os.path.abspath(smap.path)) if smap.path and \
-            not smap.path.startswith("<") else os.getcwd()
+        self.source_dir = os.path.dirname(os.path.abspath(smap.path)) \
+            if smap.path and not smap.path.startswith("<") else os.getcwd()
         self.dtype = np.dtype(dtype)
         self.phase = phase
         self.name = param.name

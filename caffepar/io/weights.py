@@ -13,7 +13,7 @@ import numpy as np
 
 from caffepar.errors import MissingFileError, WeightsError
 from caffepar.proto import caffe_pb2
-from caffepar.proto.upgrade import net_needs_upgrade, upgrade_net
+from caffepar.proto.upgrade import upgrade_net
 
 # Field numbers of Caffe's schema that the walker needs.
 NET_LAYER, NET_LAYERS = 100, 2
@@ -292,30 +292,46 @@ def _length_delimited(number, payload):
     return _key(number, 2) + _encode_varint(len(payload)) + payload
 
 
-def encode_blob(data, diff=None):
-    """A BlobProto's bytes: shape plus packed float32 data (and diff)."""
+def _float_payload(array):
+    """A float32 little-endian view of `array` that file.write takes without a copy."""
+    a = np.ascontiguousarray(array, "<f4")
+    return memoryview(a.reshape(-1)).cast("B")
+
+
+def _blob_chunks(data, diff=None):
+    """A BlobProto as (header bytes, payload) pieces: shape, then packed float32 data (and diff)."""
     dims = b"".join(_encode_varint(int(d)) for d in data.shape)
-    out = [_length_delimited(BLOB_SHAPE, _length_delimited(SHAPE_DIM, dims) if dims else b"")]
-    out.append(_length_delimited(BLOB_DATA, np.ascontiguousarray(data, "<f4").tobytes()))
-    if diff is not None:
-        out.append(_length_delimited(BLOB_DIFF, np.ascontiguousarray(diff, "<f4").tobytes()))
-    return b"".join(out)
+    pieces = [_length_delimited(BLOB_SHAPE, _length_delimited(SHAPE_DIM, dims) if dims else b"")]
+    for number, values in ((BLOB_DATA, data), (BLOB_DIFF, diff)):
+        if values is None:
+            continue
+        payload = _float_payload(values)
+        pieces += [_key(number, 2) + _encode_varint(len(payload)), payload]
+    return pieces
 
 
-def net_to_bytes(net, write_diff=False):
-    """Caffe's Net::ToProto serialized: every layer's parameter plus its blobs."""
+def iter_net_chunks(net, write_diff=False):
+    """Caffe's Net::ToProto, serialized piece by piece so that no copy of the weights is made:
+    every layer's parameter followed by its blobs."""
     head = caffe_pb2.NetParameter()
     head.name = net.name
-    parts = [head.SerializeToString()]
+    yield head.SerializeToString()
     for layer in net.layers:
         lp = caffe_pb2.LayerParameter()
         lp.CopyFrom(layer.param)
         del lp.blobs[:]
-        body = lp.SerializeToString() + b"".join(
-            _length_delimited(LAYER_BLOBS, encode_blob(b.data, b.diff if write_diff else None))
-            for b in layer.blobs)
-        parts.append(_length_delimited(NET_LAYER, body))
-    return b"".join(parts)
+        pieces = [lp.SerializeToString()]
+        for b in layer.blobs:
+            blob = _blob_chunks(b.data, b.diff if write_diff else None)
+            size = sum(len(p) for p in blob)
+            pieces += [_key(LAYER_BLOBS, 2) + _encode_varint(size)] + blob
+        size = sum(len(p) for p in pieces)
+        yield _key(NET_LAYER, 2) + _encode_varint(size)
+        yield from pieces
+
+
+def net_to_bytes(net, write_diff=False):
+    return b"".join(bytes(c) for c in iter_net_chunks(net, write_diff))
 
 
 def net_to_proto(net, write_diff=False):
@@ -324,17 +340,22 @@ def net_to_proto(net, write_diff=False):
     return proto
 
 
-def atomic_write(path, payload_writer):
+def atomic_write(path, writer, binary=True):
     """Write through a temp file in the same folder and rename, so a crash never leaves a
-    half-written file under `path`."""
+    half-written file under `path`. `writer` gets an open file, or the temp path when
+    binary is False (for libraries such as h5py that open files themselves)."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=os.path.basename(path), dir=folder)
     try:
-        with os.fdopen(fd, "wb") as f:
-            payload_writer(f)
-            f.flush()
-            os.fsync(f.fileno())
+        if binary:
+            with os.fdopen(fd, "wb") as f:
+                writer(f)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            os.close(fd)
+            writer(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -343,37 +364,26 @@ def atomic_write(path, payload_writer):
 
 
 def save_caffemodel(net, path, write_diff=False):
-    payload = net_to_bytes(net, write_diff)
-    atomic_write(path, lambda f: f.write(payload))
+    def write(f):
+        for chunk in iter_net_chunks(net, write_diff):
+            f.write(chunk)
+
+    atomic_write(path, write)
 
 
 def save_caffemodel_hdf5(net, path, write_diff=False):
+    """Caffe's HDF5 snapshot layout: data/<layer>/<blob index> (and diff/... when asked)."""
     import h5py
 
-    def write(f):
-        f.close()
-        with h5py.File(tmp_holder[0], "w") as h5:
-            data = h5.create_group("data")
-            diff = h5.create_group("diff") if write_diff else None
-            for layer in net.layers:
-                if not layer.blobs:
-                    continue
-                g = data.create_group(layer.name)
-                for i, b in enumerate(layer.blobs):
-                    g.create_dataset(str(i), data=np.asarray(b.data, np.float32))
-                if diff is not None:
-                    gd = diff.create_group(layer.name)
-                    for i, b in enumerate(layer.blobs):
-                        gd.create_dataset(str(i), data=np.asarray(b.diff, np.float32))
+    def write(tmp):
+        with h5py.File(tmp, "w") as h5:
+            groups = [("data", "data")] + ([("diff", "diff")] if write_diff else [])
+            for group_name, attr in groups:
+                group = h5.create_group(group_name)
+                for layer in net.layers:
+                    if layer.blobs:
+                        g = group.create_group(layer.name)
+                        for i, b in enumerate(layer.blobs):
+                            g.create_dataset(str(i), data=np.asarray(getattr(b, attr), np.float32))
 
-    folder = os.path.dirname(os.path.abspath(os.fspath(path)))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".h5", dir=folder)
-    os.close(fd)
-    tmp_holder = [tmp]
-    try:
-        write(open(tmp, "wb"))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, write, binary=False)

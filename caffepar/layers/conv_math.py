@@ -45,9 +45,19 @@ __all__ = [
 
 #: Upper bound on the per-call scratch memory (image chunks are sized to it).
 WORKSPACE_BYTES = 64 << 20
-#: Target size of one column block (output block + input block) so that the
-#: block being accumulated over taps stays in the L2/L3 caches.
-BLOCK_BYTES = 1 << 20
+#: Per-tap GEMMs span at least this many bytes of grid columns (all rows).
+BLOCK_BYTES = 16 << 20
+BLOCK_MIN_COLS = 8192
+#: Layers with fewer input channels per group use im2col (one deep GEMM).
+COLS_MAX_CHANNELS = 64
+#: Bound on the im2col column buffer.
+COLS_BYTES = 16 << 20
+#: An image with at least this many output pixels is its own GEMM, written
+#: straight into y; smaller images are batched up to COLS_BATCH columns.
+COLS_DIRECT_MIN = 4096
+COLS_BATCH = 8192
+#: 1x1 unpadded stride-1 convs on images this large are one GEMM per image.
+POINTWISE_DIRECT_MIN = 1024
 
 
 # --------------------------------------------------------------------------
@@ -264,17 +274,19 @@ def _grid_view(g, buf, nc):
 
 
 def _col_block(rows_bytes):
-    lb = BLOCK_BYTES // max(rows_bytes, 1)
-    return int(max(256, lb // 64 * 64))
+    """Grid columns per GEMM: wide, since BLAS call and thread start-up costs
+    outweigh cache effects here."""
+    return int(max(BLOCK_MIN_COLS, BLOCK_BYTES // max(rows_bytes, 1)))
 
 
-def _use_stacked(cg, og, ntaps):
-    """Stack taps into the GEMM's inner dimension when channels are too few."""
-    return ntaps > 1 and cg < 64
+def _use_cols(g, cg, group):
+    """Stack taps into the GEMM's inner dimension (im2col) when per-tap GEMMs
+    would be too thin: few channels per group."""
+    return g.ntaps > 1 and cg < COLS_MAX_CHANNELS and not (cg == 1 and group > 1)
 
 
 # --------------------------------------------------------------------------
-# Core kernels on the flat grid
+# Per-tap GEMMs on the flat grid
 # --------------------------------------------------------------------------
 
 def _tap_weights(w, group):
@@ -285,35 +297,17 @@ def _tap_weights(w, group):
         w.reshape(group, o // group, cg, t).transpose(0, 3, 1, 2))
 
 
-def _stacked_weights(w, group):
-    """(O, Cg, *K) -> (group, Og, T*Cg) with (tap, channel) inner order."""
-    o, cg = w.shape[:2]
-    t = math.prod(w.shape[2:])
-    return np.ascontiguousarray(
-        w.reshape(group, o // group, cg, t).transpose(0, 1, 3, 2)).reshape(group, o // group,
-                                                                           t * cg)
+def _tap_offsets(g, nc):
+    pstride = nc * g.qsize
+    return [ph * pstride + sh for ph, sh in zip(g.tap_phase, g.tap_shift)]
 
 
-def _grid_forward(g, buf, wt, ws, ybuf, nc, group, cg, og):
+def _grid_forward(g, buf, wt, ybuf, nc, group, cg, og):
     """ybuf[:, :L] = sum over taps of W_tap @ shifted views of buf."""
     L = g.span(nc)
-    pstride = nc * g.qsize
-    offs = [ph * pstride + sh for ph, sh in zip(g.tap_phase, g.tap_shift)]
-    T = g.ntaps
+    offs = _tap_offsets(g, nc)
     if cg == 1 and group > 1:
         _depthwise_forward(buf, wt, ybuf, offs, L, group, og)
-        return
-    if ws is not None:
-        lb = min(L, _col_block((og + T * cg) * buf.itemsize))
-        cols = np.empty((T * cg, lb), buf.dtype)
-        for gi in range(group):
-            src = buf[gi * cg:(gi + 1) * cg]
-            dst = ybuf[gi * og:(gi + 1) * og]
-            for c0 in range(0, L, lb):
-                n = min(lb, L - c0)
-                for t, off in enumerate(offs):
-                    np.copyto(cols[t * cg:(t + 1) * cg, :n], src[:, off + c0:off + c0 + n])
-                _gemm(ws[gi], cols[:, :n], dst[:, c0:c0 + n])
         return
     lb = min(L, _col_block((og + cg) * buf.itemsize))
     for gi in range(group):
@@ -326,39 +320,14 @@ def _grid_forward(g, buf, wt, ws, ybuf, nc, group, cg, og):
                 _gemm(wt[gi, t], src[:, off + c0:off + c0 + n], d, beta=1.0 if t else 0.0)
 
 
-def _grid_backward(g, buf, dybuf, dbuf, wt, ws, dwt, dws, nc, group, cg, og, first, stacked):
-    """Accumulate dW (into dwt or dws) and d(buf) (into dbuf) for one chunk."""
+def _grid_backward(g, buf, dybuf, dbuf, wt, dwt, nc, group, cg, og, first):
+    """Accumulate dW (into dwt) and d(buf) (into dbuf) for one chunk."""
     L = g.span(nc)
-    pstride = nc * g.qsize
-    offs = [ph * pstride + sh for ph, sh in zip(g.tap_phase, g.tap_shift)]
-    T = g.ntaps
+    offs = _tap_offsets(g, nc)
     if cg == 1 and group > 1:
         _depthwise_backward(buf, dybuf, dbuf, wt, dwt, offs, L, group, og, first)
         return
-    dt = dybuf.dtype
-    if stacked:
-        lb = min(L, _col_block((og + 2 * T * cg) * dybuf.itemsize))
-        cols = np.empty((T * cg, lb), dt) if buf is not None else None
-        dcols = np.empty((T * cg, lb), dt) if dbuf is not None else None
-        for gi in range(group):
-            dy = dybuf[gi * og:(gi + 1) * og]
-            for bi, c0 in enumerate(range(0, L, lb)):
-                n = min(lb, L - c0)
-                dyb = dy[:, c0:c0 + n]
-                if dws is not None:
-                    src = buf[gi * cg:(gi + 1) * cg]
-                    for t, off in enumerate(offs):
-                        np.copyto(cols[t * cg:(t + 1) * cg, :n], src[:, off + c0:off + c0 + n])
-                    _gemm(dyb, cols[:, :n], dws[gi], trans_b=True,
-                          beta=0.0 if (first and bi == 0) else 1.0)
-                if dbuf is not None:
-                    dst = dbuf[gi * cg:(gi + 1) * cg]
-                    _gemm(ws[gi], dyb, dcols[:, :n], trans_a=True)
-                    for t, off in enumerate(offs):
-                        d = dst[:, off + c0:off + c0 + n]
-                        np.add(d, dcols[t * cg:(t + 1) * cg, :n], out=d)
-        return
-    lb = min(L, _col_block((og + 2 * cg) * dt.itemsize))
+    lb = min(L, _col_block((og + 2 * cg) * dybuf.itemsize))
     for gi in range(group):
         dy = dybuf[gi * og:(gi + 1) * og]
         src = buf[gi * cg:(gi + 1) * cg] if buf is not None else None
@@ -373,6 +342,165 @@ def _grid_backward(g, buf, dybuf, dbuf, wt, ws, dwt, dws, nc, group, cg, og, fir
                 if dst is not None:
                     _gemm(wt[gi, t], dyb, dst[:, off + c0:off + c0 + n], trans_a=True,
                           beta=1.0)
+
+
+# --------------------------------------------------------------------------
+# im2col GEMMs for thin layers
+# --------------------------------------------------------------------------
+
+class _ColsPlan:
+    """Blocking of the im2col path: nb images at once, or one image in blocks
+    of rows along the first spatial axis, so the column buffer stays bounded.
+    A single image's block is multiplied straight into / out of y and dy."""
+
+    def __init__(self, g, n, c, group, isz):
+        cg = c // group
+        self.k = g.ntaps * cg
+        self.rest = math.prod(g.out[1:])
+        hw = g.out[0] * self.rest
+        max_cols = max(self.rest, COLS_BYTES // ((self.k + 1) * group * isz))
+        if hw > max_cols:
+            self.nb, self.rows = 1, max(1, max_cols // self.rest)
+        elif hw >= COLS_DIRECT_MIN:
+            self.nb, self.rows = 1, g.out[0]
+        else:
+            self.nb, self.rows = max(1, min(n, min(max_cols, COLS_BATCH) // hw)), g.out[0]
+        self.ncols = self.nb * self.rows * self.rest
+        self.taps = list(itertools.product(*[range(k) for k in g.kernel]))
+
+    def blocks(self, n, g):
+        for n0 in range(0, n, self.nb):
+            m = min(self.nb, n - n0)
+            for r0 in range(0, g.out[0], self.rows):
+                yield n0, m, r0, min(self.rows, g.out[0] - r0)
+
+    def tap_slices(self, g, kidx, r0, rows):
+        first = kidx[0] * g.dilation[0] + r0 * g.stride[0]
+        sl = [slice(first, first + (rows - 1) * g.stride[0] + 1, g.stride[0])]
+        for i, d, s, o in zip(kidx[1:], g.dilation[1:], g.stride[1:], g.out[1:]):
+            sl.append(slice(i * d, i * d + (o - 1) * s + 1, s))
+        return tuple(sl)
+
+
+def _pad_images(g, xc, dt):
+    xp = np.zeros(xc.shape[:2] + tuple(i + 2 * p for i, p in zip(g.in_sp, g.pad)), dt)
+    np.copyto(xp[_interior(g)], xc)
+    return xp
+
+
+def _interior(g):
+    return (slice(None), slice(None)) + tuple(slice(p, p + i) for p, i in zip(g.pad, g.in_sp))
+
+
+def _fill_cols(plan, g, xp, cols, group, cg, m, r0, rows):
+    """cols[gi, t*cg + c, (image, pixel)] = padded input under tap t."""
+    shape = (cg, m, rows) + g.out[1:]
+    perm = (1, 0) + tuple(range(2, 2 + g.nd))
+    ncol = m * rows * plan.rest
+    for t, kidx in enumerate(plan.taps):
+        src = xp[(slice(None), slice(None)) + plan.tap_slices(g, kidx, r0, rows)]
+        for gi in range(group):
+            dst = cols[gi, t * cg:(t + 1) * cg, :ncol].reshape(shape)
+            np.copyto(dst, src[:, gi * cg:(gi + 1) * cg].transpose(perm))
+
+
+def _cols_weights(w, group, bias):
+    """(O, Cg, *K) -> (group, Og, T*Cg + 1): (tap, channel) order, bias last."""
+    o, cg = w.shape[:2]
+    t = math.prod(w.shape[2:])
+    wa = np.empty((group, o // group, t * cg + 1), w.dtype)
+    wa[:, :, :-1].reshape(group, o // group, t, cg)[...] = \
+        w.reshape(group, o // group, cg, t).transpose(0, 1, 3, 2)
+    wa[:, :, -1] = 0 if bias is None else bias.reshape(group, o // group)
+    return wa
+
+
+def _cols_buffer(plan, group, dt):
+    """Column buffer whose last row per group is ones (it carries the bias)."""
+    cols = np.empty((group, plan.k + 1, plan.ncols), dt)
+    cols[:, -1, :] = 1
+    return cols
+
+
+def _cols_forward(g, x, w, b, y, group, dt):
+    n, c = x.shape[:2]
+    o, cg = w.shape[:2]
+    og = o // group
+    plan = _ColsPlan(g, n, c, group, dt.itemsize)
+    wa = _cols_weights(w, group, b)
+    cols = _cols_buffer(plan, group, dt)
+    hw = g.out[0] * plan.rest
+    ytmp = np.empty((o, plan.ncols), dt) if plan.nb > 1 else None
+    yf = y.reshape(n, o, hw)
+    xp = None
+    for n0, m, r0, rows in plan.blocks(n, g):
+        if r0 == 0:
+            xp = _pad_images(g, x[n0:n0 + m], dt)
+        _fill_cols(plan, g, xp, cols, group, cg, m, r0, rows)
+        ncol = m * rows * plan.rest
+        for gi in range(group):
+            if ytmp is None:
+                dst = yf[n0, gi * og:(gi + 1) * og, r0 * plan.rest:(r0 + rows) * plan.rest]
+            else:
+                dst = ytmp[gi * og:(gi + 1) * og, :ncol]
+            _gemm(wa[gi], cols[gi, :, :ncol], dst)
+        if ytmp is not None:
+            np.copyto(yf[n0:n0 + m], ytmp[:, :ncol].reshape(o, m, hw).transpose(1, 0, 2))
+
+
+def _cols_backward(g, dy, x, w, dx, group, need_dw, need_db, dt):
+    n, o = dy.shape[:2]
+    cg = w.shape[1]
+    c = cg * group
+    og = o // group
+    plan = _ColsPlan(g, n, c, group, dt.itemsize)
+    hw = g.out[0] * plan.rest
+    dyf = dy.reshape(n, o, hw)
+    cols = _cols_buffer(plan, group, dt) if need_dw else None
+    dwa = np.zeros((group, og, plan.k + 1), dt) if need_dw else None
+    wk = _cols_weights(w, group, None)[:, :, :-1] if dx is not None else None
+    dcols = np.empty((plan.k, plan.ncols), dt) if dx is not None else None
+    dytmp = np.empty((o, plan.ncols), dt) if plan.nb > 1 else None
+    perm = (1, 0) + tuple(range(2, 2 + g.nd))
+    xp = dxp = None
+    for n0, m, r0, rows in plan.blocks(n, g):
+        ncol = m * rows * plan.rest
+        if r0 == 0:
+            if need_dw:
+                xp = _pad_images(g, x[n0:n0 + m], dt)
+            if dx is not None:
+                dxp = np.zeros((m, c) + tuple(i + 2 * p for i, p in zip(g.in_sp, g.pad)), dt)
+        if need_dw:
+            _fill_cols(plan, g, xp, cols, group, cg, m, r0, rows)
+        if dytmp is None:
+            dyb = dyf[n0, :, r0 * plan.rest:(r0 + rows) * plan.rest]
+        else:
+            dyb = dytmp[:, :ncol]
+            np.copyto(dyb.reshape(o, m, hw), dyf[n0:n0 + m].transpose(1, 0, 2))
+        for gi in range(group):
+            dyg = dyb[gi * og:(gi + 1) * og]
+            if need_dw:
+                _gemm(dyg, cols[gi, :, :ncol], dwa[gi], trans_b=True, beta=1.0)
+            if dx is not None:
+                _gemm(wk[gi], dyg, dcols[:, :ncol], trans_a=True)
+                shape = (cg, m, rows) + g.out[1:]
+                for t, kidx in enumerate(plan.taps):
+                    dst = dxp[(slice(None), slice(gi * cg, (gi + 1) * cg))
+                              + plan.tap_slices(g, kidx, r0, rows)]
+                    dst += dcols[t * cg:(t + 1) * cg, :ncol].reshape(shape).transpose(perm)
+        if dx is not None and r0 + rows == g.out[0]:
+            np.copyto(dx[n0:n0 + m], dxp[_interior(g)])
+    dw = db = None
+    if need_dw:
+        dw = np.ascontiguousarray(
+            dwa[:, :, :-1].reshape(group, og, g.ntaps, cg).transpose(0, 1, 3, 2)
+        ).reshape(w.shape)
+    if need_db:
+        if need_dw:
+            db = np.ascontiguousarray(dwa[:, :, -1]).reshape(o)
+        else:
+            db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=dt)
+    return dw, db
 
 
 def _depthwise_forward(buf, wt, ybuf, offs, L, group, og):
@@ -447,29 +575,31 @@ def conv_forward(x, w, b, stride, pad, dilation, group):
     w = w.astype(dt, copy=False)
     og = o // group
     y = np.empty((n, o) + g.out, dt)
-    bias = None if b is None else np.asarray(b, dt).reshape(_bias_shape(g.nd))
+    bias = None if b is None else np.asarray(b, dt).reshape(o)
     if n == 0:
         return y
-    if _is_pointwise(g) and g.qsize >= 1024:
+    if _is_pointwise(g) and g.qsize >= POINTWISE_DIRECT_MIN:
         _pointwise_forward(x, w, y, group)
         if bias is not None:
-            y += bias
+            y += bias.reshape(_bias_shape(g.nd))
         return y
-    stacked = _use_stacked(cg, og, g.ntaps) and not (cg == 1 and group > 1)
+    if _use_cols(g, cg, group):
+        _cols_forward(g, x, w, bias, y, group, dt)
+        return y
     wt = _tap_weights(w, group)
-    ws = _stacked_weights(w, group) if stacked else None
     per_image = (c * len(g.phases) + o) * g.qsize * dt.itemsize
     nc = _workspace_chunk(per_image, n)
     for n0 in range(0, n, nc):
         m = min(nc, n - n0)
         buf = _gather(g, x[n0:n0 + m], dt)
         ybuf = np.empty((o, m * g.qsize), dt)
-        _grid_forward(g, buf, wt, ws, ybuf, m, group, cg, og)
+        _grid_forward(g, buf, wt, ybuf, m, group, cg, og)
+        del buf
         yv = _grid_view(g, ybuf, m)
         if bias is None:
             np.copyto(y[n0:n0 + m], yv)
         else:
-            np.add(yv, bias, out=y[n0:n0 + m])
+            np.add(yv, bias.reshape(_bias_shape(g.nd)), out=y[n0:n0 + m])
     return y
 
 
@@ -507,47 +637,41 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
     g = _Geom(x_shape[2:], w.shape[2:], stride, pad, dilation)
     if dy.shape != (n, o) + g.out:
         raise ValueError(f"conv_backward: dy has shape {dy.shape}, expected {(n, o) + g.out}")
+    if not (need_dx or need_dw or need_db):
+        return None, None, None
+    use_cols = _use_cols(g, cg, group) and n > 0 and (need_dx or need_dw)
+    dx = None
+    if need_dx:
+        dx = (np.empty if (g.x_full or use_cols) else np.zeros)(x_shape, dt)
+    if use_cols:
+        dy = np.ascontiguousarray(dy)
+        dw, db = _cols_backward(g, dy, x, w, dx, group, need_dw, need_db, dt)
+        return dx, dw, db
     db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=dt) if need_db else None
     if not (need_dx or need_dw):
         return None, None, db
-    dx = None
-    if need_dx:
-        dx = (np.empty if g.x_full else np.zeros)(x_shape, dt)
     if n == 0:
         return dx, (np.zeros(w.shape, dt) if need_dw else None), db
-    if _is_pointwise(g) and g.qsize >= 1024:
-        dw = _pointwise_backward(dy, x, w, dx, group, need_dw)
+    if _is_pointwise(g) and g.qsize >= POINTWISE_DIRECT_MIN:
+        dw = _pointwise_backward(np.ascontiguousarray(dy), x, w, dx, group, need_dw)
         return dx, dw, db
-    stacked = _use_stacked(cg, og, g.ntaps) and not (cg == 1 and group > 1)
     wt = _tap_weights(w, group)
-    ws = _stacked_weights(w, group) if (stacked and need_dx) else None
-    dwt = dws = None
-    if need_dw:
-        if stacked:
-            dws = np.empty((group, og, g.ntaps * cg), dt)
-        else:
-            dwt = np.empty((group, g.ntaps, og, cg), dt)
+    dwt = np.empty((group, g.ntaps, og, cg), dt) if need_dw else None
     planes = c * len(g.phases) * (int(need_dw) + int(need_dx)) + o
     nc = _workspace_chunk(planes * g.qsize * dt.itemsize, n)
     for i, n0 in enumerate(range(0, n, nc)):
         m = min(nc, n - n0)
         buf = _gather(g, x[n0:n0 + m], dt) if need_dw else None
-        dybuf = np.zeros((o, m * g.qsize), dt) if not _grid_dense(g) \
-            else np.empty((o, m * g.qsize), dt)
+        dybuf = (np.empty if _grid_dense(g) else np.zeros)((o, m * g.qsize), dt)
         np.copyto(_grid_view(g, dybuf, m), dy[n0:n0 + m])
         dbuf = np.zeros((c, len(g.phases) * m * g.qsize), dt) if need_dx else None
-        _grid_backward(g, buf, dybuf, dbuf, wt, ws, dwt, dws, m, group, cg, og,
-                       first=(i == 0), stacked=stacked)
+        _grid_backward(g, buf, dybuf, dbuf, wt, dwt, m, group, cg, og, first=(i == 0))
+        del buf, dybuf
         if need_dx:
             _scatter_add(g, dbuf, dx[n0:n0 + m], m)
     dw = None
     if need_dw:
-        kshape = w.shape[2:]
-        if dws is not None:
-            dw = dws.reshape(group, og, g.ntaps, cg).transpose(0, 1, 3, 2).reshape(w.shape)
-        else:
-            dw = dwt.transpose(0, 2, 3, 1).reshape((o, cg) + kshape)
-        dw = np.ascontiguousarray(dw)
+        dw = np.ascontiguousarray(dwt.transpose(0, 2, 3, 1)).reshape(w.shape)
     return dx, dw, db
 
 

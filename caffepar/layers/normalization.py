@@ -1,0 +1,237 @@
+"""Normalisation layers: LRN, BatchNorm and MVN, as BVLC Caffe computes them."""
+import numpy as np
+
+from caffepar.layers.base import Layer, register
+from caffepar.proto import caffe_pb2
+
+LRNP = caffe_pb2.LRNParameter
+
+
+def window_sum(a, axis, size, out=None):
+    """Sum over a centred window of odd `size` along `axis`, zero beyond the edges."""
+    half = (size - 1) // 2
+    n = a.shape[axis]
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (half, half)
+    padded = np.pad(a, pad)
+    idx = [slice(None)] * a.ndim
+    if out is None:
+        out = np.zeros_like(a)
+    else:
+        out.fill(0)
+    for o in range(size):
+        idx[axis] = slice(o, o + n)
+        out += padded[tuple(idx)]
+    return out
+
+
+@register("LRN")
+class LRNLayer(Layer):
+    """Local response normalisation.
+
+    ACROSS_CHANNELS: y = x (k + alpha/n sum_{local_size channels} x^2)^-beta.
+    WITHIN_CHANNEL: Caffe builds it from Power/Pooling layers that ignore `k`:
+    y = x (1 + alpha avgpool_{n x n}(x^2))^-beta, the average counting the zero padding.
+    """
+
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def layer_setup(self, bottom, top):
+        p = self.param.lrn_param
+        self.size = p.local_size
+        if self.size % 2 != 1:
+            raise self.error(f"LRN only supports odd values for local_size, got {self.size}")
+        self.alpha, self.beta, self.k = p.alpha, p.beta, p.k
+        self.region = p.norm_region
+        if self.region not in (LRNP.ACROSS_CHANNELS, LRNP.WITHIN_CHANNEL):
+            raise self.error(f"unknown normalization region {self.region}")
+
+    def reshape(self, bottom, top):
+        if bottom[0].num_axes != 4:
+            raise self.error(f"input must have 4 axes (num, channels, height, width), got shape "
+                             f"{bottom[0].shape}")
+        top[0].reshape(bottom[0].shape)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data
+        y = top[0].data
+        if self.region == LRNP.ACROSS_CHANNELS:
+            self.scale = window_sum(np.square(x), 1, self.size)
+            self.scale *= self.alpha / self.size
+            self.scale += self.k
+            np.power(self.scale, -self.beta, out=y)
+            y *= x
+        else:
+            pooled = window_sum(window_sum(np.square(x), 2, self.size), 3, self.size)
+            pooled *= self.alpha / (self.size * self.size)
+            pooled += 1
+            self.base = pooled
+            self.factor = np.power(pooled, -self.beta)
+            np.multiply(x, self.factor, out=y)
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dy = top[0].diff
+        x = bottom[0].data
+        dx = bottom[0].diff
+        if self.region == LRNP.ACROSS_CHANNELS:
+            ratio = dy * top[0].data
+            ratio /= self.scale
+            acc = window_sum(ratio, 1, self.size)
+            acc *= x
+            acc *= -2.0 * self.alpha * self.beta / self.size
+            np.power(self.scale, -self.beta, out=dx)
+            dx *= dy
+            dx += acc
+        else:
+            # d/d(pooled sum): -beta * alpha / n^2 * factor / base, times dy * x
+            g = dy * x
+            g *= self.factor
+            g /= self.base
+            g *= -self.beta * self.alpha / (self.size * self.size)
+            g = window_sum(window_sum(g, 2, self.size), 3, self.size)
+            g *= 2 * x
+            np.multiply(dy, self.factor, out=dx)
+            dx += g
+
+
+@register("BatchNorm")
+class BatchNormLayer(Layer):
+    """Normalise each channel by batch statistics (TRAIN) or stored ones (TEST by default).
+
+    Blobs (kept unscaled, as Caffe does): 0 = running mean sum, 1 = running variance sum
+    (unbiased, m/(m-1)), 2 = the scale factor dividing both. Their lr_mult is forced to 0.
+    """
+
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def layer_setup(self, bottom, top):
+        p = self.param.batch_norm_param
+        self.fraction = p.moving_average_fraction
+        self.use_global = p.use_global_stats if p.HasField("use_global_stats") \
+            else self.phase == caffe_pb2.TEST
+        self.channels = 1 if bottom[0].num_axes == 1 else bottom[0].shape[1]
+        self.eps = p.eps
+        if not self.blobs_already_set(3):
+            for shape in ((self.channels,), (self.channels,), (1,)):
+                self.add_param_blob(shape)
+        specs = self.param.param
+        for i in range(len(self.blobs)):
+            if len(specs) == i:
+                specs.add().lr_mult = 0.0
+            elif specs[i].lr_mult != 0:
+                raise self.error("cannot configure batch normalization statistics as layer "
+                                 f"parameters (param {i} has lr_mult {specs[i].lr_mult}; it "
+                                 "must be 0 or left out)")
+
+    def reshape(self, bottom, top):
+        if bottom[0].num_axes > 1 and bottom[0].shape[1] != self.channels:
+            raise self.error(f"bottom has {bottom[0].shape[1]} channels, the layer was set up "
+                             f"for {self.channels}")
+        if top[0] is not bottom[0]:
+            top[0].reshape(bottom[0].shape)
+
+    def _view(self, a):
+        n = a.shape[0] if a.ndim else 1
+        return a.reshape(n, self.channels, -1)
+
+    def forward(self, bottom, top):
+        x = self._view(bottom[0].data)
+        y = self._view(top[0].data)
+        if self.use_global:
+            s = self.blobs[2].data.flat[0]
+            factor = 0 if s == 0 else 1 / s
+            mean = self.blobs[0].data * factor
+            var = self.blobs[1].data * factor
+        else:
+            mean = x.mean(axis=(0, 2))
+        np.subtract(x, mean[:, None].astype(self.dtype), out=y)
+        if not self.use_global:
+            var = np.square(y).mean(axis=(0, 2))
+            b = self.blobs
+            b[2].data[...] = b[2].data * self.fraction + 1
+            b[0].data[...] = mean + self.fraction * b[0].data
+            m = x.size // self.channels
+            correction = m / (m - 1) if m > 1 else 1
+            b[1].data[...] = correction * var + self.fraction * b[1].data
+        self.std = np.sqrt(var + self.eps).astype(self.dtype)
+        y /= self.std[:, None]
+        self.x_norm = None if self.use_global else y.copy()
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dy = self._view(top[0].diff)
+        dx = self._view(bottom[0].diff)
+        if self.use_global:
+            np.divide(dy, self.std[:, None], out=dx)
+            return
+        y = self.x_norm
+        n = y.shape[0] * y.shape[2]
+        a = np.einsum("ncs,ncs->c", dy, y)[:, None]
+        b = dy.sum(axis=(0, 2))[:, None]
+        t = y * a
+        t += b
+        t *= -1.0 / n
+        t += dy
+        t /= self.std[:, None]
+        dx[...] = t
+
+
+@register("MVN")
+class MVNLayer(Layer):
+    """Subtract the mean (and divide by std + eps) per sample and channel, or per sample when
+    across_channels. The top takes Caffe's 4-D (num, channels, height, width) shape."""
+
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def layer_setup(self, bottom, top):
+        p = self.param.mvn_param
+        self.normalize_variance = p.normalize_variance
+        self.across = p.across_channels
+        self.eps = p.eps
+
+    def reshape(self, bottom, top):
+        shape = bottom[0].shape
+        if len(shape) > 4:
+            raise self.error(f"MVN takes at most 4 axes, got shape {shape}")
+        legacy = tuple(shape) + (1,) * (4 - len(shape))
+        top[0].reshape(legacy)
+
+    def _groups(self, a):
+        shape = a.shape + (1,) * (4 - a.ndim)
+        rows = shape[0] if self.across else shape[0] * shape[1]
+        return a.reshape(rows, -1)
+
+    def forward(self, bottom, top):
+        x = self._groups(bottom[0].data)
+        y = self._groups(top[0].data)
+        mean = x.mean(axis=1, keepdims=True)
+        np.subtract(x, mean, out=y)
+        if self.normalize_variance:
+            var = np.square(y).mean(axis=1, keepdims=True)
+            self.std = np.sqrt(var) + self.eps
+            y /= self.std
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dy = self._groups(top[0].diff)
+        dx = self._groups(bottom[0].diff)
+        dim = dy.shape[1]
+        if self.normalize_variance:
+            y = self._groups(top[0].data)
+            a = np.einsum("ij,ij->i", y, dy)[:, None]
+            b = dy.sum(axis=1, keepdims=True)
+            t = y * a
+            t += b
+            t *= -1.0 / dim
+            t += dy
+            t /= self.std
+            dx[...] = t
+        else:
+            dx[...] = dy - dy.mean(axis=1, keepdims=True)

@@ -1,0 +1,117 @@
+"""The command line: `caffepar time` on the bundled models, Caffe's flag spellings, and the
+corpus of broken inputs, each of which must end with exit 1 and one line naming the problem."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from caffepar.cli import main, normalize_caffe_flags
+
+ROOT = Path(__file__).resolve().parents[1]
+BAD = ROOT / "tests" / "bad_inputs"
+
+
+def run(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_caffe_flag_spellings():
+    assert normalize_caffe_flags(["time", "-model", "m.prototxt", "-iterations=3", "-gpu", "0"]) \
+        == ["time", "--model", "m.prototxt", "--iterations=3", "--gpu", "0"]
+    assert normalize_caffe_flags(["-1", "-h"]) == ["-1", "-h"]
+
+
+@pytest.mark.parametrize("model", ["cifar10_quick/train_val_dummy.prototxt",
+                                   "cifar10_quick/deploy.prototxt",
+                                   "alexnet/deploy.prototxt"])
+def test_time_prints_caffe_table(model, capsys):
+    code, out, err = run(["time", "-model", str(ROOT / "models" / model), "-iterations", "1"],
+                         capsys)
+    assert code == 0, err
+    assert "Average time per layer:" in out
+    assert "conv1\tforward:" in out and "conv1\tbackward:" in out
+    assert "Average Forward-Backward:" in out and "*** Benchmark ends ***" in out
+
+
+def _caffemodel(tmp_path):
+    import caffepar as caffe
+    net = caffe.Net(str(BAD / "small.prototxt"), caffe.TEST)
+    path = tmp_path / "small.caffemodel"
+    net.save(str(path))
+    return path
+
+
+CASES = {
+    "syntax_error": (["--model", BAD / "syntax_error.prototxt"],
+                     r"syntax_error.prototxt:13: error: syntax error"),
+    "unknown_type": (["--model", BAD / "unknown_type.prototxt"],
+                     r'unknown_type.prototxt:8: error: layer "conv1": unknown layer type '
+                     r'"Convolutoin".*did you mean "Convolution"\?'),
+    "unknown_bottom": (["--model", BAD / "unknown_bottom.prototxt"],
+                       r'unknown_bottom.prototxt:8: error: layer "conv1".*unknown bottom blob "dta"'),
+    "duplicate_top": (["--model", BAD / "duplicate_top.prototxt"],
+                      r'duplicate_top.prototxt:15: error: layer "conv2".*top blob "out" produced '
+                      r"by multiple sources"),
+    "mixed_layers": (["--model", BAD / "mixed_layers.prototxt"],
+                     r"mixed_layers.prototxt:8: error: .*'layer'.*'layers'"),
+    "wrong_blob_count": (["--model", BAD / "wrong_blob_count.prototxt"],
+                         r'wrong_blob_count.prototxt:8: error: layer "loss" \(SoftmaxWithLoss\): '
+                         r"takes exactly 2 bottom blob\(s\), got 1"),
+    "kernel_zero": (["--model", BAD / "kernel_zero.prototxt"],
+                    r'kernel_zero.prototxt:8: error: layer "conv1" \(Convolution\): kernel_size '
+                    r"must be > 0, got 0"),
+    "missing_model": (["--model", BAD / "no_such.prototxt"], r"no_such.prototxt: error: .*not found"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_gives_one_line_and_exit_1(case, capsys):
+    args, pattern = CASES[case]
+    code, out, err = run(["time", "--iterations", "1"] + [str(a) for a in args], capsys)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    import re
+    assert re.search(pattern, lines[0]), lines[0]
+    assert "Traceback" not in err
+
+
+def test_weights_shape_mismatch_names_layer_and_shapes(tmp_path, capsys):
+    weights = _caffemodel(tmp_path)
+    code, out, err = run(["time", "--iterations", "1", "--model", str(BAD / "small_wider.prototxt"),
+                          "--weights", str(weights)], capsys)
+    assert code == 1
+    line, = err.strip().splitlines()
+    assert 'layer "ip1" param 0: shape mismatch' in line
+    assert "5 144" in line and "7 144" in line
+
+
+def test_truncated_caffemodel(tmp_path, capsys):
+    weights = _caffemodel(tmp_path)
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    code, out, err = run(["time", "--iterations", "1", "--model", str(BAD / "small.prototxt"),
+                          "--weights", str(weights)], capsys)
+    assert code == 1
+    line, = err.strip().splitlines()
+    assert "small.caffemodel: error: truncated or corrupt caffemodel" in line
+
+
+def test_missing_weights_file(capsys):
+    code, out, err = run(["time", "--iterations", "1", "--model", str(BAD / "small.prototxt"),
+                          "--weights", str(BAD / "absent.caffemodel")], capsys)
+    assert code == 1
+    assert "absent.caffemodel: error: weights file not found" in err
+
+
+def test_console_script_exit_code_without_traceback():
+    proc = subprocess.run([sys.executable, "-m", "caffepar.cli", "time", "--model",
+                           str(BAD / "kernel_zero.prototxt")], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr and "kernel_size must be > 0" in proc.stderr

@@ -1,0 +1,174 @@
+"""Net construction: the filter and split passes (text in, text out), wiring rules, which layers
+run backward, weight sharing and the flat parameter buffers."""
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from caffepar.errors import NetError
+from caffepar.graph.net import TEST, TRAIN, Net
+from caffepar.graph.passes import filter_net, insert_splits
+from caffepar.proto import caffe_pb2
+
+
+def P(text):
+    return text_format.Parse(text, caffe_pb2.NetParameter())
+
+
+def same(a, b):
+    assert text_format.MessageToString(a) == text_format.MessageToString(b)
+
+
+def test_filter_by_phase_level_stage():
+    net = P("""
+      state { phase: TRAIN level: 2 stage: "a" }
+      layer { name: "always" type: "Input" top: "x" }
+      layer { name: "train" type: "ReLU" include { phase: TRAIN } }
+      layer { name: "test" type: "ReLU" include { phase: TEST } }
+      layer { name: "lvl3" type: "ReLU" include { min_level: 3 } }
+      layer { name: "lvl1" type: "ReLU" include { max_level: 1 } }
+      layer { name: "stage_a" type: "ReLU" include { stage: "a" } }
+      layer { name: "not_a" type: "ReLU" include { not_stage: "a" } }
+      layer { name: "ex_train" type: "ReLU" exclude { phase: TRAIN } }
+      layer { name: "either" type: "ReLU" include { phase: TEST } include { stage: "a" } }
+    """)
+    kept = [l.name for l in filter_net(net).layer]
+    assert kept == ["always", "train", "stage_a", "either"]
+    same(filter_net(filter_net(net)), filter_net(net))
+
+
+def test_insert_splits_text_in_text_out():
+    net = P("""
+      layer { name: "data" type: "Input" top: "data" }
+      layer { name: "a" type: "ReLU" bottom: "data" top: "a" }
+      layer { name: "b" type: "ReLU" bottom: "data" top: "b" }
+      layer { name: "loss" type: "EuclideanLoss" bottom: "a" bottom: "b" top: "loss" }
+    """)
+    want = P("""
+      layer { name: "data" type: "Input" top: "data" }
+      layer { name: "data_data_0_split" type: "Split" bottom: "data"
+              top: "data_data_0_split_0" top: "data_data_0_split_1" }
+      layer { name: "a" type: "ReLU" bottom: "data_data_0_split_0" top: "a" }
+      layer { name: "b" type: "ReLU" bottom: "data_data_0_split_1" top: "b" }
+      layer { name: "loss" type: "EuclideanLoss" bottom: "a" bottom: "b" top: "loss" }
+    """)
+    got = insert_splits(net)
+    same(got, want)
+    same(insert_splits(got), got)
+
+
+def test_split_of_weighted_loss_top_carries_weight_on_first_split_only():
+    net = P("""
+      layer { name: "data" type: "Input" top: "x" }
+      layer { name: "l" type: "ReLU" bottom: "x" top: "y" loss_weight: 2 }
+      layer { name: "c" type: "ReLU" bottom: "y" top: "z" }
+    """)
+    got = insert_splits(net)
+    split = got.layer[2]
+    assert split.type == "Split" and list(split.loss_weight) == [2.0, 0.0]
+    assert not got.layer[1].loss_weight
+    assert got.layer[3].bottom[0] == "y_l_0_split_1"
+
+
+def test_in_place_inputs_outputs_and_backward_rule():
+    net = Net(P("""
+      layer { name: "in" type: "Input" top: "x" top: "label"
+              input_param { shape { dim: 2 dim: 3 } shape { dim: 2 } } }
+      layer { name: "ip" type: "InnerProduct" bottom: "x" top: "ip"
+              inner_product_param { num_output: 4 } }
+      layer { name: "relu" type: "ReLU" bottom: "ip" top: "ip" }
+      layer { name: "side" type: "InnerProduct" bottom: "x" top: "side"
+              inner_product_param { num_output: 2 } }
+      layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+    """), TRAIN)
+    assert net.inputs == ["x", "label"]
+    assert net.outputs == ["loss", "side"]
+    need = dict(zip(net._layer_names, net.layer_need_backward))
+    assert need["ip"] and need["relu"] and need["loss"]
+    assert not need["side"], "a layer that feeds no loss does not run backward"
+    assert net.bottom_need_backward[net.layer_index("loss")] == [True, False]
+    assert net.bottom_need_backward[net.layer_index("ip")] == [False]
+
+
+def test_force_backward_and_propagate_down():
+    text = """
+      {force}
+      layer { name: "in" type: "Input" top: "x" top: "label"
+              input_param { shape { dim: 2 dim: 3 } shape { dim: 2 } } }
+      layer { name: "ip" type: "InnerProduct" bottom: "x" top: "ip"
+              inner_product_param { num_output: 4 } }
+      layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss"
+              {pd} }
+    """
+    net = Net(P(text.replace("{force}", "force_backward: true").replace("{pd}", "")), TRAIN)
+    assert net.bottom_need_backward[net.layer_index("ip")] == [True]
+    assert net.bottom_need_backward[net.layer_index("loss")] == [True, False]
+    net = Net(P(text.replace("{force}", "").replace(
+        "{pd}", "propagate_down: false propagate_down: false")), TRAIN)
+    assert not net.layer_need_backward[net.layer_index("ip")]
+
+
+def test_unknown_bottom_and_duplicate_top_name_the_layer():
+    with pytest.raises(NetError, match=r'layer "b".*unknown bottom blob "nope"'):
+        Net(P('layer { name: "a" type: "Input" top: "x" input_param { shape { dim: 1 } } }\n'
+              'layer { name: "b" type: "ReLU" bottom: "nope" top: "y" }'))
+    with pytest.raises(NetError, match=r'top blob "x" produced by multiple sources'):
+        Net(P('layer { name: "a" type: "Input" top: "x" input_param { shape { dim: 1 } } }\n'
+              'layer { name: "b" type: "Input" top: "x" input_param { shape { dim: 1 } } }'))
+
+
+def test_weight_sharing_and_flat_buffers():
+    net = Net(P("""
+      layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 } } }
+      layer { name: "a" type: "InnerProduct" bottom: "x" top: "a"
+              param { name: "w" lr_mult: 1 } param { name: "b" lr_mult: 2 }
+              inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 1 } } }
+      layer { name: "b" type: "InnerProduct" bottom: "a" top: "b"
+              param { name: "w" } param { name: "b" }
+              inner_product_param { num_output: 3 } }
+      layer { name: "loss" type: "EuclideanLoss" bottom: "a" bottom: "b" top: "loss" }
+    """), TRAIN)
+    wa, wb = net.params["a"][0], net.params["b"][0]
+    assert np.shares_memory(wa.data, wb.data) and np.shares_memory(wa.diff, wb.diff)
+    assert len(net.learnable_params) == 2
+    assert net.param_data.size == 3 * 3 + 3
+    for blob in net.learnable_params:
+        assert np.shares_memory(blob.data, net.param_data)
+        assert np.shares_memory(blob.diff, net.param_diff)
+    assert [m[0] for m in net.lr_mults] == [1.0, 2.0]
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    net.forward(x=x)
+    net.clear_param_diffs()
+    net.backward()
+    assert np.abs(net.param_diff).sum() > 0
+
+
+def test_shared_param_shape_mismatch_is_an_error():
+    with pytest.raises(NetError, match="cannot share param"):
+        Net(P("""
+          layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 } } }
+          layer { name: "a" type: "InnerProduct" bottom: "x" top: "a" param { name: "w" }
+                  inner_product_param { num_output: 3 } }
+          layer { name: "b" type: "InnerProduct" bottom: "a" top: "b" param { name: "w" }
+                  inner_product_param { num_output: 4 } }
+        """))
+
+
+def test_loss_weight_scales_loss_and_gradient():
+    text = """
+      layer { name: "in" type: "Input" top: "a" top: "b"
+              input_param { shape { dim: 2 dim: 3 } } }
+      layer { name: "loss" type: "EuclideanLoss" bottom: "a" bottom: "b" top: "loss" %s }
+      force_backward: true
+    """
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((2, 2, 3)).astype(np.float32)
+    losses, grads = [], []
+    for lw in ("", "loss_weight: 3"):
+        net = Net(P(text % lw), TRAIN)
+        net.blobs["a"].data[...] = a
+        net.blobs["b"].data[...] = b
+        losses.append(net.forward_from_to())
+        net.backward_from_to()
+        grads.append(net.blobs["a"].diff.copy())
+    assert np.isclose(losses[1], 3 * losses[0])
+    np.testing.assert_allclose(grads[1], 3 * grads[0], rtol=1e-6)
