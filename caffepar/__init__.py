@@ -1,8 +1,9 @@
 """caffepar: Caffe-compatible training in Python. `import caffepar as caffe` gives pycaffe's API."""
-from caffepar.pycaffe import (TEST, TRAIN, Net, set_device, set_mode_cpu, set_mode_gpu,
-                              set_random_seed)
+from caffepar import io, proto
+from caffepar.pycaffe import (TEST, TRAIN, Net, layer_type_list, set_device, set_mode_cpu,
+                              set_mode_gpu, set_random_seed)
 
 __version__ = "0.1.0"
 
-__all__ = ["Net", "TRAIN", "TEST", "set_mode_cpu", "set_mode_gpu", "set_device",
-           "set_random_seed", "__version__"]
+__all__ = ["Net", "TRAIN", "TEST", "io", "proto", "layer_type_list", "set_mode_cpu",
+           "set_mode_gpu", "set_device", "set_random_seed", "__version__"]

@@ -36,3 +36,31 @@ class Net(_net.Net):
             raise NetError(f"phase must be caffe.TRAIN ({TRAIN}) or caffe.TEST ({TEST}), got {phase!r}")
         super().__init__(model, phase=phase, level=level, stages=tuple(stages), weights=weights,
                          dtype=dtype)
+
+    def forward_all(self, blobs=None, **kwargs):
+        """Forward inputs of any length in the net's batch size; outputs concatenated."""
+        outs = {name: [] for name in set(self.outputs) | set(blobs or ())}
+        if not kwargs:
+            for name, value in self.forward(blobs=blobs).items():
+                outs[name].append(value.copy())
+        else:
+            total = len(next(iter(kwargs.values())))
+            batch = self.blobs[next(iter(kwargs))].shape[0]
+            for start in range(0, total, batch):
+                chunk = {}
+                for name, value in kwargs.items():
+                    part = np.asarray(value[start:start + batch])
+                    if len(part) < batch:
+                        pad = np.zeros((batch - len(part),) + part.shape[1:], part.dtype)
+                        part = np.concatenate([part, pad])
+                    chunk[name] = part
+                n = min(batch, total - start)
+                for name, value in self.forward(blobs=blobs, **chunk).items():
+                    outs[name].append(value[:n].copy())
+        return {name: np.concatenate(parts) if parts and parts[0].ndim else np.asarray(parts)
+                for name, parts in outs.items()}
+
+
+def layer_type_list():
+    from caffepar.layers import LAYERS
+    return sorted(LAYERS)

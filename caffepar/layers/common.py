@@ -231,13 +231,16 @@ class EltwiseLayer(Layer):
             for b in bottom[2:]:
                 y *= b.data
         elif self.op == E.SUM:
-            acc = bottom[0].data * self.dtype.type(self.coeffs[0])
+            aliased = any(b is top[0] for b in bottom)
+            acc = np.empty_like(y) if aliased else y
+            np.multiply(bottom[0].data, self.dtype.type(self.coeffs[0]), out=acc)
             for b, c in zip(bottom[1:], self.coeffs[1:]):
                 if c == 1:
                     acc += b.data
                 else:
                     acc += b.data * self.dtype.type(c)
-            y[...] = acc
+            if aliased:
+                y[...] = acc
         elif self.op == E.MAX:
             a, b = bottom[0].data, bottom[1].data
             idx = np.where(a > b, 0, 1).astype(np.int32)
@@ -353,7 +356,8 @@ class ReshapeLayer(_ViewLayer):
                                  f"{shape} has no axis {start + i} to copy")
             out[start + i] = shape[start + i]
         if self.inferred_axis >= 0:
-            known = _count(out[:start + self.inferred_axis]) * _count(out[start + self.inferred_axis + 1:])
+            at = start + self.inferred_axis
+            known = _count(out[:at]) * _count(out[at + 1:])
             total = bottom[0].count
             if known == 0 or total % known:
                 raise self.error(f"bottom count {total} (shape {shape}) is not divisible by the "
@@ -746,7 +750,8 @@ def _param_shape(layer, bottom, axis, num_axes):
     if num_axes < -1:
         raise layer.error(f"num_axes must be >= 0, or -1 for all axes from axis on, got {num_axes}")
     if num_axes >= 0 and axis + num_axes > len(shape):
-        raise layer.error(f"axis {axis} + num_axes {num_axes} extends past the bottom shape {shape}")
+        raise layer.error(f"axis {axis} + num_axes {num_axes} extends past the bottom shape "
+                          f"{shape}")
     return shape[axis:] if num_axes == -1 else shape[axis:axis + num_axes]
 
 

@@ -52,6 +52,10 @@ BLOCK_MIN_COLS = 8192
 COLS_MAX_CHANNELS = 64
 #: Bound on the im2col column buffer.
 COLS_BYTES = 16 << 20
+#: im2col layers with at least this many channels per group get dx as a
+#: flipped-kernel convolution of dy (a deep GEMM) instead of col2im, whose
+#: scatter-adds cost more than the GEMM once channels are many.
+FLIP_MIN_CHANNELS = 8
 #: An image with at least this many output pixels is its own GEMM, written
 #: straight into y; smaller images are batched up to COLS_BATCH columns.
 COLS_DIRECT_MIN = 4096
@@ -349,59 +353,72 @@ def _grid_backward(g, buf, dybuf, dbuf, wt, dwt, nc, group, cg, og, first):
 # --------------------------------------------------------------------------
 
 class _ColsPlan:
-    """Blocking of the im2col path: nb images at once, or one image in blocks
-    of rows along the first spatial axis, so the column buffer stays bounded.
-    A single image's block is multiplied straight into / out of y and dy."""
+    """Blocking of the im2col path.
 
-    def __init__(self, g, n, c, group, isz):
-        cg = c // group
-        self.k = g.ntaps * cg
+    Images are processed nb at a time in a (C, *S_padded, nb) layout, batch
+    innermost, so each tap's gather copies runs of whole rows times nb and
+    small images still make wide GEMMs. Columns are blocked along the first
+    spatial axis to bound the column buffer. With nb == 1 (large images) the
+    GEMMs read and write y and dy in place, without any transposition.
+    """
+
+    def __init__(self, g, n, c, o, group, isz):
+        self.k = g.ntaps * (c // group)
         self.rest = math.prod(g.out[1:])
-        hw = g.out[0] * self.rest
-        max_cols = max(self.rest, COLS_BYTES // ((self.k + 1) * group * isz))
-        if hw > max_cols:
-            self.nb, self.rows = 1, max(1, max_cols // self.rest)
-        elif hw >= COLS_DIRECT_MIN:
-            self.nb, self.rows = 1, g.out[0]
+        self.hw = g.out[0] * self.rest
+        self.sp = tuple(i + 2 * p for i, p in zip(g.in_sp, g.pad))
+        max_cols = max(1, COLS_BYTES // ((self.k + 1) * group * isz))
+        if self.hw >= COLS_DIRECT_MIN:
+            nb = 1
         else:
-            self.nb, self.rows = max(1, min(n, min(max_cols, COLS_BATCH) // hw)), g.out[0]
-        self.ncols = self.nb * self.rows * self.rest
+            per_image = (2 * c * math.prod(self.sp) + o * self.hw) * isz
+            nb = min(n, WORKSPACE_BYTES // per_image, max(1, max_cols // self.rest))
+        self.nb = int(max(1, nb))
+        self.rows = int(min(g.out[0], max(1, max_cols // (self.rest * self.nb))))
+        self.ncols = self.rows * self.rest * self.nb
         self.taps = list(itertools.product(*[range(k) for k in g.kernel]))
 
-    def blocks(self, n, g):
+    def chunks(self, n):
         for n0 in range(0, n, self.nb):
-            m = min(self.nb, n - n0)
-            for r0 in range(0, g.out[0], self.rows):
-                yield n0, m, r0, min(self.rows, g.out[0] - r0)
+            yield n0, min(self.nb, n - n0)
+
+    def row_blocks(self, g):
+        for r0 in range(0, g.out[0], self.rows):
+            yield r0, min(self.rows, g.out[0] - r0)
 
     def tap_slices(self, g, kidx, r0, rows):
         first = kidx[0] * g.dilation[0] + r0 * g.stride[0]
         sl = [slice(first, first + (rows - 1) * g.stride[0] + 1, g.stride[0])]
         for i, d, s, o in zip(kidx[1:], g.dilation[1:], g.stride[1:], g.out[1:]):
             sl.append(slice(i * d, i * d + (o - 1) * s + 1, s))
-        return tuple(sl)
+        return (slice(None),) + tuple(sl)
 
 
-def _pad_images(g, xc, dt):
-    xp = np.zeros(xc.shape[:2] + tuple(i + 2 * p for i, p in zip(g.in_sp, g.pad)), dt)
-    np.copyto(xp[_interior(g)], xc)
-    return xp
+def _batch_last(a):
+    return np.moveaxis(a, 0, -1)
 
 
-def _interior(g):
-    return (slice(None), slice(None)) + tuple(slice(p, p + i) for p, i in zip(g.pad, g.in_sp))
+def _interior_last(g):
+    return (slice(None),) + tuple(slice(p, p + i) for p, i in zip(g.pad, g.in_sp))
 
 
-def _fill_cols(plan, g, xp, cols, group, cg, m, r0, rows):
-    """cols[gi, t*cg + c, (image, pixel)] = padded input under tap t."""
-    shape = (cg, m, rows) + g.out[1:]
-    perm = (1, 0) + tuple(range(2, 2 + g.nd))
-    ncol = m * rows * plan.rest
+def _pad_batch_last(g, plan, xc, dt):
+    """(m, C, *S) -> zero-padded (C, *S_padded, m)."""
+    xt = np.zeros((xc.shape[1],) + plan.sp + (xc.shape[0],), dt)
+    np.copyto(xt[_interior_last(g)], _batch_last(xc))
+    return xt
+
+
+def _fill_cols(plan, g, xt, cols, group, r0, rows):
+    """cols[gi, t*cg + c, (row, pixel, image)] = padded input under tap t."""
+    m = xt.shape[-1]
+    c = xt.shape[0]
+    cg = c // group
+    ncol = rows * plan.rest * m
     for t, kidx in enumerate(plan.taps):
-        src = xp[(slice(None), slice(None)) + plan.tap_slices(g, kidx, r0, rows)]
-        for gi in range(group):
-            dst = cols[gi, t * cg:(t + 1) * cg, :ncol].reshape(shape)
-            np.copyto(dst, src[:, gi * cg:(gi + 1) * cg].transpose(perm))
+        src = xt[plan.tap_slices(g, kidx, r0, rows)]
+        dst = cols[:, t * cg:(t + 1) * cg, :ncol]
+        np.copyto(dst.reshape(src.shape), src)
 
 
 def _cols_weights(w, group, bias):
@@ -424,28 +441,48 @@ def _cols_buffer(plan, group, dt):
 
 def _cols_forward(g, x, w, b, y, group, dt):
     n, c = x.shape[:2]
-    o, cg = w.shape[:2]
+    o = w.shape[0]
     og = o // group
-    plan = _ColsPlan(g, n, c, group, dt.itemsize)
+    plan = _ColsPlan(g, n, c, o, group, dt.itemsize)
     wa = _cols_weights(w, group, b)
     cols = _cols_buffer(plan, group, dt)
-    hw = g.out[0] * plan.rest
-    ytmp = np.empty((o, plan.ncols), dt) if plan.nb > 1 else None
-    yf = y.reshape(n, o, hw)
-    xp = None
-    for n0, m, r0, rows in plan.blocks(n, g):
-        if r0 == 0:
-            xp = _pad_images(g, x[n0:n0 + m], dt)
-        _fill_cols(plan, g, xp, cols, group, cg, m, r0, rows)
-        ncol = m * rows * plan.rest
-        for gi in range(group):
-            if ytmp is None:
-                dst = yf[n0, gi * og:(gi + 1) * og, r0 * plan.rest:(r0 + rows) * plan.rest]
-            else:
-                dst = ytmp[gi * og:(gi + 1) * og, :ncol]
-            _gemm(wa[gi], cols[gi, :, :ncol], dst)
+    yf = y.reshape(n, o, plan.hw)
+    ytmp = np.empty((o, plan.hw * plan.nb), dt) if plan.nb > 1 else None
+    for n0, m in plan.chunks(n):
+        xt = _pad_batch_last(g, plan, x[n0:n0 + m], dt)
+        for r0, rows in plan.row_blocks(g):
+            _fill_cols(plan, g, xt, cols, group, r0, rows)
+            ncol = rows * plan.rest * m
+            c0 = r0 * plan.rest * m
+            for gi in range(group):
+                if ytmp is None:
+                    dst = yf[n0, gi * og:(gi + 1) * og, c0:c0 + ncol]
+                else:
+                    dst = ytmp[gi * og:(gi + 1) * og, c0:c0 + ncol]
+                _gemm(wa[gi], cols[gi, :, :ncol], dst)
         if ytmp is not None:
-            np.copyto(yf[n0:n0 + m], ytmp[:, :ncol].reshape(o, m, hw).transpose(1, 0, 2))
+            yt = ytmp[:, :plan.hw * m].reshape(o, plan.hw, m)
+            np.copyto(yf[n0:n0 + m], yt.transpose(2, 0, 1))
+
+
+def _flipped_geom(g):
+    """Geometry of dx as a stride-1 convolution of dy with the flipped kernel,
+    or None when the layer is strided or over-padded."""
+    if any(s != 1 for s in g.stride):
+        return None
+    pads = tuple(d * (k - 1) - p for k, d, p in zip(g.kernel, g.dilation, g.pad))
+    if min(pads) < 0:
+        return None
+    return _Geom(g.out, g.kernel, (1,) * g.nd, pads, g.dilation)
+
+
+def _flipped_weights(w, group):
+    """(O, Cg, *K) -> (C, Og, *K) with every kernel flipped along all axes."""
+    o, cg = w.shape[:2]
+    nd = w.ndim - 2
+    wf = w.reshape((group, o // group, cg) + w.shape[2:]).swapaxes(1, 2)
+    wf = wf[(Ellipsis,) + (slice(None, None, -1),) * nd]
+    return np.ascontiguousarray(wf).reshape((group * cg, o // group) + w.shape[2:])
 
 
 def _cols_backward(g, dy, x, w, dx, group, need_dw, need_db, dt):
@@ -453,43 +490,38 @@ def _cols_backward(g, dy, x, w, dx, group, need_dw, need_db, dt):
     cg = w.shape[1]
     c = cg * group
     og = o // group
-    plan = _ColsPlan(g, n, c, group, dt.itemsize)
-    hw = g.out[0] * plan.rest
-    dyf = dy.reshape(n, o, hw)
+    plan = _ColsPlan(g, n, c, o, group, dt.itemsize)
+    dyf = dy.reshape(n, o, plan.hw)
     cols = _cols_buffer(plan, group, dt) if need_dw else None
     dwa = np.zeros((group, og, plan.k + 1), dt) if need_dw else None
     wk = _cols_weights(w, group, None)[:, :, :-1] if dx is not None else None
     dcols = np.empty((plan.k, plan.ncols), dt) if dx is not None else None
-    dytmp = np.empty((o, plan.ncols), dt) if plan.nb > 1 else None
-    perm = (1, 0) + tuple(range(2, 2 + g.nd))
-    xp = dxp = None
-    for n0, m, r0, rows in plan.blocks(n, g):
-        ncol = m * rows * plan.rest
-        if r0 == 0:
-            if need_dw:
-                xp = _pad_images(g, x[n0:n0 + m], dt)
-            if dx is not None:
-                dxp = np.zeros((m, c) + tuple(i + 2 * p for i, p in zip(g.in_sp, g.pad)), dt)
-        if need_dw:
-            _fill_cols(plan, g, xp, cols, group, cg, m, r0, rows)
-        if dytmp is None:
-            dyb = dyf[n0, :, r0 * plan.rest:(r0 + rows) * plan.rest]
+    dyt = np.empty((o, plan.hw * plan.nb), dt) if plan.nb > 1 else None
+    for n0, m in plan.chunks(n):
+        xt = _pad_batch_last(g, plan, x[n0:n0 + m], dt) if need_dw else None
+        dxt = np.zeros((c,) + plan.sp + (m,), dt) if dx is not None else None
+        if dyt is None:
+            dyc = dyf[n0]
         else:
-            dyb = dytmp[:, :ncol]
-            np.copyto(dyb.reshape(o, m, hw), dyf[n0:n0 + m].transpose(1, 0, 2))
-        for gi in range(group):
-            dyg = dyb[gi * og:(gi + 1) * og]
+            dyc = dyt[:, :plan.hw * m]
+            np.copyto(dyc.reshape(o, plan.hw, m), dyf[n0:n0 + m].transpose(1, 2, 0))
+        for r0, rows in plan.row_blocks(g):
+            ncol = rows * plan.rest * m
+            c0 = r0 * plan.rest * m
             if need_dw:
-                _gemm(dyg, cols[gi, :, :ncol], dwa[gi], trans_b=True, beta=1.0)
-            if dx is not None:
-                _gemm(wk[gi], dyg, dcols[:, :ncol], trans_a=True)
-                shape = (cg, m, rows) + g.out[1:]
-                for t, kidx in enumerate(plan.taps):
-                    dst = dxp[(slice(None), slice(gi * cg, (gi + 1) * cg))
-                              + plan.tap_slices(g, kidx, r0, rows)]
-                    dst += dcols[t * cg:(t + 1) * cg, :ncol].reshape(shape).transpose(perm)
-        if dx is not None and r0 + rows == g.out[0]:
-            np.copyto(dx[n0:n0 + m], dxp[_interior(g)])
+                _fill_cols(plan, g, xt, cols, group, r0, rows)
+            for gi in range(group):
+                dyg = dyc[gi * og:(gi + 1) * og, c0:c0 + ncol]
+                if need_dw:
+                    _gemm(dyg, cols[gi, :, :ncol], dwa[gi], trans_b=True, beta=1.0)
+                if dx is not None:
+                    _gemm(wk[gi], dyg, dcols[:, :ncol], trans_a=True)
+                    for t, kidx in enumerate(plan.taps):
+                        dst = dxt[(slice(gi * cg, (gi + 1) * cg),)
+                                  + plan.tap_slices(g, kidx, r0, rows)[1:]]
+                        dst += dcols[t * cg:(t + 1) * cg, :ncol].reshape(dst.shape)
+        if dx is not None:
+            np.copyto(dx[n0:n0 + m], np.moveaxis(dxt[_interior_last(g)], -1, 0))
     dw = db = None
     if need_dw:
         dw = np.ascontiguousarray(
@@ -645,7 +677,11 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
         dx = (np.empty if (g.x_full or use_cols) else np.zeros)(x_shape, dt)
     if use_cols:
         dy = np.ascontiguousarray(dy)
-        dw, db = _cols_backward(g, dy, x, w, dx, group, need_dw, need_db, dt)
+        gt = _flipped_geom(g) if (need_dx and cg >= FLIP_MIN_CHANNELS) else None
+        if gt is not None:
+            _cols_forward(gt, dy, _flipped_weights(w, group), None, dx, group, dt)
+        dw, db = _cols_backward(g, dy, x, w, dx if gt is None else None, group,
+                                need_dw, need_db, dt)
         return dx, dw, db
     db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=dt) if need_db else None
     if not (need_dx or need_dw):

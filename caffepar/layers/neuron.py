@@ -57,6 +57,9 @@ class ReLULayer(NeuronLayer):
         if not propagate_down[0]:
             return
         x = bottom[0].data
+        if self.slope == 0:
+            np.multiply(top[0].diff, x > 0, out=bottom[0].diff)
+            return
         factor = np.where(x > 0, 1, self.slope).astype(self.dtype, copy=False)
         np.multiply(top[0].diff, factor, out=bottom[0].diff)
 
@@ -357,7 +360,7 @@ class DropoutLayer(NeuronLayer):
     def forward(self, bottom, top):
         x, y = bottom[0].data, top[0].data
         if self.phase == caffe_pb2.TRAIN:
-            keep = common.rng().random(x.shape) >= self.ratio
+            keep = common.rng().random(x.shape, dtype=np.float32) >= np.float32(self.ratio)
             self.mask = keep.astype(self.dtype)
             if self.scale_train:
                 self.mask *= self.dtype.type(self.scale)

@@ -1,0 +1,218 @@
+"""Pooling and SPP: forward against an explicit-loop reference of Caffe's algorithm, gradient checks."""
+import math
+
+import numpy as np
+import pytest
+
+from caffepar.errors import CaffeparError
+from caffepar.graph.net import Net, TEST
+from caffepar.proto import caffe_pb2
+from caffepar.proto.text import parse_text
+from gradcheck import check_net_gradients
+
+FLT_MAX = float(np.finfo(np.float32).max)
+RNG = np.random.default_rng(3)
+
+
+def net_text(layer, shape, extra, tops=("y",)):
+    dims = " ".join(f"dim: {d}" for d in shape)
+    top_lines = "".join(f'  top: "{t}"\n' for t in tops)
+    return (f'force_backward: true\nlayer {{ name: "input" type: "Input" top: "x"\n'
+            f"  input_param {{ shape {{ {dims} }} }} }}\n"
+            f'layer {{\n  name: "l"\n  type: "{layer}"\n  bottom: "x"\n{top_lines}  {extra}\n}}\n')
+
+
+def build(text, dtype=np.float64):
+    return Net(parse_text(text, caffe_pb2.NetParameter()), phase=TEST, dtype=dtype)
+
+
+def run(text, x, dtype=np.float64):
+    net = build(text, dtype)
+    net.blobs["x"].data[...] = x
+    net.forward()
+    return net
+
+
+def ref_pool(x, kh, kw, ph, pw, sh, sw, method, ceil_mode=True):
+    """Caffe's Pooling forward, loop for loop: returns the output and the max mask."""
+    n, c, h, w = x.shape
+    rnd = math.ceil if ceil_mode else math.floor
+    oh = rnd((h + 2 * ph - kh) / sh) + 1
+    ow = rnd((w + 2 * pw - kw) / sw) + 1
+    if ph or pw:
+        if (oh - 1) * sh >= h + ph:
+            oh -= 1
+        if (ow - 1) * sw >= w + pw:
+            ow -= 1
+    y = np.zeros((n, c, oh, ow))
+    mask = np.full((n, c, oh, ow), -1.0)
+    for a in range(n):
+        for b in range(c):
+            for i in range(oh):
+                for j in range(ow):
+                    hs, ws = i * sh - ph, j * sw - pw
+                    if method == "MAX":
+                        he, we = min(hs + kh, h), min(ws + kw, w)
+                        hs, ws = max(hs, 0), max(ws, 0)
+                        best = -FLT_MAX
+                        for r in range(hs, he):
+                            for q in range(ws, we):
+                                if x[a, b, r, q] > best:
+                                    best = x[a, b, r, q]
+                                    mask[a, b, i, j] = r * w + q
+                        y[a, b, i, j] = best
+                    else:
+                        he, we = min(hs + kh, h + ph), min(ws + kw, w + pw)
+                        size = (he - hs) * (we - ws)
+                        hs, ws = max(hs, 0), max(ws, 0)
+                        he, we = min(he, h), min(we, w)
+                        y[a, b, i, j] = x[a, b, hs:he, ws:we].sum() / size
+    return y, mask
+
+
+def distinct(shape):
+    """Values at least 0.05 apart, so a 1e-2 step never changes a max-pool winner."""
+    n = int(np.prod(shape))
+    return (RNG.permutation(n) * 0.05 - n * 0.025).reshape(shape)
+
+
+# (shape, pooling_param text, kh, kw, ph, pw, sh, sw)
+CASES = [
+    ((2, 2, 6, 6), "kernel_size: 2 stride: 2", 2, 2, 0, 0, 2, 2),
+    ((1, 2, 6, 6), "kernel_size: 3 stride: 2", 3, 3, 0, 0, 2, 2),
+    ((1, 2, 5, 5), "kernel_size: 3 stride: 1 pad: 1", 3, 3, 1, 1, 1, 1),
+    ((1, 2, 5, 5), "kernel_size: 2 stride: 2 pad: 1", 2, 2, 1, 1, 2, 2),
+    ((1, 2, 6, 6), "kernel_size: 2 stride: 2 pad: 1", 2, 2, 1, 1, 2, 2),
+    ((1, 2, 7, 5), "kernel_size: 3 stride: 2 pad: 1", 3, 3, 1, 1, 2, 2),
+    ((1, 1, 5, 7), "kernel_h: 3 kernel_w: 2 stride_h: 2 stride_w: 3 pad_h: 1 pad_w: 0",
+     3, 2, 1, 0, 2, 3),
+    ((2, 1, 4, 6), "kernel_h: 2 kernel_w: 4 stride: 1", 2, 4, 0, 0, 1, 1),
+]
+
+
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+@pytest.mark.parametrize("case", CASES, ids=[c[1] for c in CASES])
+def test_pooling_forward_matches_loops(method, case):
+    shape, text, *geom = case
+    x = RNG.standard_normal(shape)
+    tops = ("y", "mask") if method == "MAX" else ("y",)
+    net = run(net_text("Pooling", shape, f"pooling_param {{ pool: {method} {text} }}", tops), x)
+    want, mask = ref_pool(x, *geom, method)
+    np.testing.assert_allclose(net.blobs["y"].data, want, rtol=1e-12)
+    if method == "MAX":
+        np.testing.assert_array_equal(net.blobs["mask"].data, mask)
+
+
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+@pytest.mark.parametrize("case", CASES, ids=[c[1] for c in CASES])
+def test_pooling_gradients(method, case):
+    shape, text, *_ = case
+    prototxt = net_text("Pooling", shape, f"pooling_param {{ pool: {method} {text} }}")
+    check_net_gradients(prototxt, {"x": distinct(shape)})
+
+
+def test_pooling_mask_top_backward_matches_internal_index():
+    shape = (2, 3, 7, 7)
+    x = distinct(shape)
+    extra = "pooling_param { pool: MAX kernel_size: 3 stride: 2 }"
+    a = run(net_text("Pooling", shape, extra), x)
+    b = run(net_text("Pooling", shape, extra, ("y", "mask")), x)
+    dy = RNG.standard_normal(a.blobs["y"].shape)
+    a.blobs["y"].diff[...] = dy
+    b.blobs["y"].diff[...] = dy
+    a.backward_from_to()
+    b.backward_from_to()
+    np.testing.assert_allclose(a.blobs["x"].diff, b.blobs["x"].diff)
+
+
+def test_pooling_ties_take_first_cell():
+    x = np.zeros((1, 1, 4, 4))
+    net = run(net_text("Pooling", x.shape, "pooling_param { pool: MAX kernel_size: 2 stride: 2 }",
+                       ("y", "mask")), x)
+    np.testing.assert_array_equal(net.blobs["mask"].data[0, 0], [[0, 2], [8, 10]])
+
+
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+def test_global_pooling(method):
+    shape = (2, 3, 4, 5)
+    x = distinct(shape)
+    text = net_text("Pooling", shape, f"pooling_param {{ pool: {method} global_pooling: true }}")
+    net = run(text, x)
+    want = x.max(axis=(2, 3)) if method == "MAX" else x.mean(axis=(2, 3))
+    np.testing.assert_allclose(net.blobs["y"].data, want[..., None, None])
+    check_net_gradients(text, {"x": x})
+
+
+def test_floor_round_mode():
+    shape = (1, 1, 6, 6)
+    x = RNG.standard_normal(shape)
+    net = run(net_text("Pooling", shape,
+                       "pooling_param { pool: MAX kernel_size: 3 stride: 2 round_mode: FLOOR }"), x)
+    want, _ = ref_pool(x, 3, 3, 0, 0, 2, 2, "MAX", ceil_mode=False)
+    assert net.blobs["y"].shape == (1, 1, 2, 2)
+    np.testing.assert_allclose(net.blobs["y"].data, want)
+
+
+def test_window_past_the_image_keeps_caffe_values():
+    """Stride > kernel without padding: ceil can create a window entirely outside the image."""
+    shape = (1, 2, 5, 5)
+    x = RNG.standard_normal(shape)
+    net = run(net_text("Pooling", shape, "pooling_param { pool: MAX kernel_size: 1 stride: 3 }"),
+              x)
+    want, _ = ref_pool(x, 1, 1, 0, 0, 3, 3, "MAX")
+    np.testing.assert_allclose(net.blobs["y"].data, want)
+    assert net.blobs["y"].data[0, 0, 2, 2] == -FLT_MAX
+
+
+def test_float32_runs_and_matches():
+    shape = (2, 3, 9, 9)
+    x = RNG.standard_normal(shape).astype(np.float32)
+    net = run(net_text("Pooling", shape, "pooling_param { pool: AVE kernel_size: 3 stride: 2 "
+                       "pad: 1 }"), x, dtype=np.float32)
+    want, _ = ref_pool(x.astype(float), 3, 3, 1, 1, 2, 2, "AVE")
+    assert net.blobs["y"].data.dtype == np.float32
+    np.testing.assert_allclose(net.blobs["y"].data, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra,match", [
+    ("pooling_param { pool: STOCHASTIC kernel_size: 2 }", "not implemented on the CPU"),
+    ("pooling_param { pool: MAX }", "kernel_h and kernel_w"),
+    ("pooling_param { pool: MAX kernel_size: 2 kernel_h: 2 }", "not both"),
+    ("pooling_param { pool: MAX global_pooling: true kernel_size: 2 }", "global_pooling"),
+    ("pooling_param { pool: MAX kernel_size: 2 pad: 2 }", "pad must be smaller"),
+])
+def test_pooling_errors(extra, match):
+    with pytest.raises(CaffeparError, match=match):
+        build(net_text("Pooling", (1, 1, 4, 4), extra))
+
+
+def test_ave_pooling_refuses_mask_top():
+    with pytest.raises(CaffeparError, match="mask"):
+        build(net_text("Pooling", (1, 1, 4, 4), "pooling_param { pool: AVE kernel_size: 2 }",
+                       ("y", "mask")))
+
+
+# ------------------------------------------------------------------ SPP
+def ref_spp(x, height, method):
+    n, c, h, w = x.shape
+    parts = []
+    for level in range(height):
+        bins = 2 ** level
+        kh, kw = math.ceil(h / bins), math.ceil(w / bins)
+        ph, pw = (kh * bins - h + 1) // 2, (kw * bins - w + 1) // 2
+        y, _ = ref_pool(x, kh, kw, ph, pw, kh, kw, method)
+        parts.append(y.reshape(n, -1))
+    return np.concatenate(parts, axis=1) if height > 1 else y
+
+
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+@pytest.mark.parametrize("shape,height", [((2, 2, 5, 6), 2), ((1, 2, 7, 9), 3),
+                                          ((2, 3, 4, 4), 1)])
+def test_spp(method, shape, height):
+    x = distinct(shape)
+    text = net_text("SPP", shape, f"spp_param {{ pyramid_height: {height} pool: {method} }}")
+    net = run(text, x)
+    want = ref_spp(x, height, method)
+    assert net.blobs["y"].shape == want.shape
+    np.testing.assert_allclose(net.blobs["y"].data, want, rtol=1e-12)
+    check_net_gradients(text, {"x": x})
