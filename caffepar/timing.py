@@ -27,8 +27,10 @@ def benchmark(net, iterations, progress=None):
     for it in range(iterations):
         start = clock()
         for i, layer in enumerate(net.layers):
+            bottoms, tops = net._blobs_of(net.bottom_ids[i]), net._blobs_of(net.top_ids[i])
             t0 = clock()
-            layer.forward(net._blobs_of(net.bottom_ids[i]), net._blobs_of(net.top_ids[i]))
+            layer.reshape(bottoms, tops)
+            layer.forward(bottoms, tops)
             fwd[i] += clock() - t0
         for i in range(n - 1, -1, -1):
             t0 = clock()

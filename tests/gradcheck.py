@@ -24,7 +24,11 @@ def check_net_gradients(net_text, inputs, step=1e-2, threshold=1e-3, kink=None, 
         lw = net.blob_loss_weights.get(name, 0.0)
         weights[name] = np.full(blob.shape, lw) if lw else rng.standard_normal(blob.shape)
 
+    stored = {name: net.blobs[name].data.copy() for name in net.inputs}
+
     def objective():
+        for name, value in stored.items():
+            net.blobs[name].data[...] = value
         net.forward_from_to()
         return sum(float(np.sum(net.blobs[n].data * w)) for n, w in weights.items())
 
@@ -41,14 +45,14 @@ def check_net_gradients(net_text, inputs, step=1e-2, threshold=1e-3, kink=None, 
     targets = []
     for name in net.inputs:
         if name not in skip_bottoms:
-            targets.append((f"bottom {name}", net.blobs[name], net.blobs[name].diff.copy()))
+            targets.append((f"bottom {name}", stored[name], net.blobs[name].diff.copy()))
     if check_params:
         for lname, blobs in net.params.items():
             for i, b in enumerate(blobs):
-                targets.append((f"param {lname}/{i}", b, b.diff.copy()))
+                targets.append((f"param {lname}/{i}", b.data, b.diff.copy()))
     failures = []
-    for label, blob, grad in targets:
-        flat = blob.data.reshape(-1)
+    for label, values, grad in targets:
+        flat = values.reshape(-1)
         g = grad.reshape(-1)
         for k in range(flat.size):
             x0 = flat[k]

@@ -293,13 +293,16 @@ class Net:
             raise NetError(f'no layer named "{name}" in net "{self.name}"') from None
 
     def forward_from_to(self, start=0, end=None):
-        """Run layers start..end inclusive; return the weighted loss they produce."""
+        """Run layers start..end inclusive; return the weighted loss they produce. Each layer
+        reshapes first, as Caffe's Layer::Forward does, so a reshaped input just works."""
         end = len(self.layers) - 1 if end is None else end
         loss = 0.0
         for i in range(start, end + 1):
             layer = self.layers[i]
+            bottoms = self._blobs_of(self.bottom_ids[i])
             tops = self._blobs_of(self.top_ids[i])
-            layer.forward(self._blobs_of(self.bottom_ids[i]), tops)
+            layer.reshape(bottoms, tops)
+            layer.forward(bottoms, tops)
             for j, top in enumerate(tops):
                 if layer.loss_weights[j]:
                     loss += float(np.vdot(top.data, top.diff))

@@ -417,8 +417,8 @@ def _fill_cols(plan, g, xt, cols, group, r0, rows):
     ncol = rows * plan.rest * m
     for t, kidx in enumerate(plan.taps):
         src = xt[plan.tap_slices(g, kidx, r0, rows)]
-        dst = cols[:, t * cg:(t + 1) * cg, :ncol]
-        np.copyto(dst.reshape(src.shape), src)
+        src = src.reshape((group, cg) + src.shape[1:])
+        np.copyto(cols[:, t * cg:(t + 1) * cg, :ncol].reshape(src.shape), src)
 
 
 def _cols_weights(w, group, bias):

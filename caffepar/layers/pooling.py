@@ -78,17 +78,18 @@ class PoolGeometry:
 
 def max_pool_forward(g, x, out):
     """Max pooling into `out`; returns the winning kernel offset per output (-1: none).
-    Ties keep the first cell in row-major window order, as Caffe's strict '>' does."""
+    Like Caffe's strict '>' scan from -FLT_MAX: NaNs never win and ties keep the first cell in
+    row-major window order (offsets are marked last to first, so the first one stays)."""
     frame = g.frame(x, -np.inf)
     out.fill(NEG_FLT_MAX)
-    arg = np.full(out.shape, -1, _index_dtype(g.kh * g.kw))
-    better = np.empty(out.shape, bool)
     for i in range(g.kh):
         for j in range(g.kw):
-            v = g.view(frame, i, j)
-            np.greater(v, out, out=better)
-            np.copyto(out, v, where=better)
-            np.copyto(arg, i * g.kw + j, where=better)
+            np.fmax(out, g.view(frame, i, j), out=out)
+    arg = np.full(out.shape, -1, _index_dtype(g.kh * g.kw))
+    hit = np.empty(out.shape, bool)
+    for o in range(g.kh * g.kw - 1, -1, -1):
+        np.equal(g.view(frame, o // g.kw, o % g.kw), out, out=hit)
+        np.putmask(arg, hit, o)
     return arg
 
 

@@ -1,0 +1,196 @@
+"""LRN, BatchNorm and MVN: NumPy references for the forward pass, gradient checks."""
+import numpy as np
+import pytest
+
+from caffepar.errors import CaffeparError
+from caffepar.graph.net import Net, TEST, TRAIN
+from caffepar.proto import caffe_pb2
+from caffepar.proto.text import parse_text
+from gradcheck import check_net_gradients
+
+RNG = np.random.default_rng(5)
+
+
+def net_text(layer, shape, extra="", top="y", bottom="x", params=""):
+    dims = " ".join(f"dim: {d}" for d in shape)
+    return (f'force_backward: true\nlayer {{ name: "input" type: "Input" top: "{bottom}"\n'
+            f"  input_param {{ shape {{ {dims} }} }} }}\n"
+            f'layer {{ name: "l" type: "{layer}" bottom: "{bottom}" top: "{top}" {params}\n'
+            f"  {extra} }}\n")
+
+
+def build(text, phase=TEST, dtype=np.float64):
+    return Net(parse_text(text, caffe_pb2.NetParameter()), phase=phase, dtype=dtype)
+
+
+def run(text, x, phase=TEST, dtype=np.float64):
+    net = build(text, phase, dtype)
+    net.blobs["x"].data[...] = x
+    net.forward()
+    return net
+
+
+# ------------------------------------------------------------------ LRN
+def ref_lrn_across(x, n, alpha, beta, k):
+    c = x.shape[1]
+    half = (n - 1) // 2
+    y = np.empty_like(x)
+    for ch in range(c):
+        lo, hi = max(0, ch - half), min(c, ch + half + 1)
+        s = k + alpha / n * (x[:, lo:hi] ** 2).sum(axis=1)
+        y[:, ch] = x[:, ch] * s ** -beta
+    return y
+
+
+def ref_lrn_within(x, n, alpha, beta):
+    """Caffe ignores k here: 1 + alpha * mean of x^2 over an n x n window (zeros padded)."""
+    half = (n - 1) // 2
+    h, w = x.shape[2:]
+    y = np.empty_like(x)
+    for i in range(h):
+        for j in range(w):
+            win = x[:, :, max(0, i - half):i + half + 1, max(0, j - half):j + half + 1]
+            s = 1 + alpha * (win ** 2).sum(axis=(2, 3)) / (n * n)
+            y[:, :, i, j] = x[:, :, i, j] * s ** -beta
+    return y
+
+
+# Values exact in float32, the proto's type for alpha, beta and k.
+LRN_ACROSS = [(5, 1.0, 0.75, 1.0), (3, 0.375, 0.5, 2.0), (1, 0.5, 0.75, 1.5), (7, 2.0, 0.875, 1.0)]
+
+
+@pytest.mark.parametrize("n,alpha,beta,k", LRN_ACROSS)
+def test_lrn_across_channels(n, alpha, beta, k):
+    shape = (2, 6, 3, 2)
+    x = RNG.standard_normal(shape)
+    text = net_text("LRN", shape, f"lrn_param {{ local_size: {n} alpha: {alpha} beta: {beta} "
+                                  f"k: {k} }}")
+    net = run(text, x)
+    np.testing.assert_allclose(net.blobs["y"].data, ref_lrn_across(x, n, alpha, beta, k),
+                               rtol=1e-12)
+    check_net_gradients(text, {"x": x})
+
+
+@pytest.mark.parametrize("n,alpha,beta,k", [(3, 1.0, 0.75, 1.0), (5, 0.375, 0.625, 2.0)])
+def test_lrn_within_channel(n, alpha, beta, k):
+    shape = (2, 2, 5, 6)
+    x = RNG.standard_normal(shape)
+    text = net_text("LRN", shape, f"lrn_param {{ local_size: {n} alpha: {alpha} beta: {beta} "
+                                  f"k: {k} norm_region: WITHIN_CHANNEL }}")
+    net = run(text, x)
+    np.testing.assert_allclose(net.blobs["y"].data, ref_lrn_within(x, n, alpha, beta),
+                               rtol=1e-12)
+    check_net_gradients(text, {"x": x})
+
+
+def test_lrn_even_size_refused():
+    with pytest.raises(CaffeparError, match="odd"):
+        build(net_text("LRN", (1, 3, 2, 2), "lrn_param { local_size: 4 }"))
+
+
+# ------------------------------------------------------------------ BatchNorm
+def set_bn_stats(net, mean, var, factor):
+    b = net.params["l"]
+    b[0].data[...] = mean * factor
+    b[1].data[...] = var * factor
+    b[2].data[...] = factor
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 2, 3), (5, 3), (3, 2, 4)])
+def test_batchnorm_train_batch_statistics(shape):
+    x = RNG.standard_normal(shape) * 2 + 1
+    text = net_text("BatchNorm", shape, "batch_norm_param { moving_average_fraction: 0.9 }")
+    net = run(text, x, phase=TRAIN)
+    axes = (0,) + tuple(range(2, len(shape)))
+    mean = x.mean(axis=axes, keepdims=True)
+    var = x.var(axis=axes, keepdims=True)
+    eps = net.layers[1].eps
+    np.testing.assert_allclose(net.blobs["y"].data, (x - mean) / np.sqrt(var + eps), rtol=1e-10)
+    m = x.size // shape[1]
+    b = net.params["l"]
+    np.testing.assert_allclose(b[0].data, mean.reshape(-1))
+    np.testing.assert_allclose(b[1].data, var.reshape(-1) * m / (m - 1))
+    np.testing.assert_allclose(b[2].data, [1.0])
+    net.forward()
+    np.testing.assert_allclose(b[0].data, mean.reshape(-1) * 1.9)
+    np.testing.assert_allclose(b[2].data, [1.9])
+    check_net_gradients(text, {"x": x}, phase=TRAIN)
+
+
+def test_batchnorm_test_phase_uses_stored_statistics():
+    shape = (3, 2, 2, 2)
+    x = RNG.standard_normal(shape)
+    mean, var = np.array([0.5, -1.0]), np.array([2.0, 0.3])
+    text = net_text("BatchNorm", shape, "batch_norm_param { eps: 0.001 }")
+    net = build(text)
+    set_bn_stats(net, mean, var, 4.0)
+    net.blobs["x"].data[...] = x
+    net.forward()
+    want = (x - mean[:, None, None]) / np.sqrt(var[:, None, None] + 0.001)
+    np.testing.assert_allclose(net.blobs["y"].data, want, rtol=1e-6)
+    np.testing.assert_allclose(net.params["l"][2].data, [4.0])
+    check_net_gradients(text, {"x": x}, check_params=False,
+                        prepare=lambda n: set_bn_stats(n, mean, var, 4.0))
+
+
+def test_batchnorm_zero_scale_factor_means_zero_statistics():
+    x = RNG.standard_normal((2, 2, 2, 2))
+    net = run(net_text("BatchNorm", x.shape, "batch_norm_param { eps: 0.25 }"), x)
+    np.testing.assert_allclose(net.blobs["y"].data, x / 0.5)
+
+
+def test_batchnorm_use_global_stats_false_in_test_phase():
+    x = RNG.standard_normal((4, 2, 3))
+    text = net_text("BatchNorm", x.shape, "batch_norm_param { use_global_stats: false }")
+    net = run(text, x)
+    assert net.params["l"][2].data[0] == 1.0
+    np.testing.assert_allclose(net.blobs["y"].data.mean(axis=(0, 2)), 0, atol=1e-12)
+    check_net_gradients(text, {"x": x})
+
+
+def test_batchnorm_in_place_matches_out_of_place():
+    shape = (4, 3, 2, 2)
+    x = RNG.standard_normal(shape)
+    dy = RNG.standard_normal(shape)
+    results = []
+    for top in ("y", "x"):
+        net = run(net_text("BatchNorm", shape, top=top), x, phase=TRAIN)
+        results.append(net.blobs[top].data.copy())
+        net.blobs[top].diff[...] = dy
+        net.backward_from_to()
+        results.append(net.blobs["x"].diff.copy())
+    np.testing.assert_allclose(results[2], results[0])
+    np.testing.assert_allclose(results[3], results[1])
+
+
+def test_batchnorm_statistics_are_not_learned():
+    net = build(net_text("BatchNorm", (2, 3)))
+    assert [m[0] for m in net.lr_mults] == [0.0, 0.0, 0.0]
+    with pytest.raises(CaffeparError, match="batch normalization statistics"):
+        build(net_text("BatchNorm", (2, 3), params="param { lr_mult: 1 }"))
+    build(net_text("BatchNorm", (2, 3), params="param { lr_mult: 0 } param { lr_mult: 0 }"))
+
+
+# ------------------------------------------------------------------ MVN
+@pytest.mark.parametrize("extra", ["", "mvn_param { normalize_variance: false }",
+                                   "mvn_param { across_channels: true }",
+                                   "mvn_param { across_channels: true normalize_variance: false }"])
+def test_mvn(extra):
+    shape = (2, 3, 3, 2)
+    x = RNG.standard_normal(shape) * 3 + 2
+    text = net_text("MVN", shape, extra)
+    net = run(text, x)
+    axes = (1, 2, 3) if "across_channels: true" in extra else (2, 3)
+    want = x - x.mean(axis=axes, keepdims=True)
+    if "normalize_variance: false" not in extra:
+        want = want / (np.sqrt((want ** 2).mean(axis=axes, keepdims=True)) + 1e-9)
+    np.testing.assert_allclose(net.blobs["y"].data, want, rtol=1e-8)
+    check_net_gradients(text, {"x": x})
+
+
+def test_mvn_top_is_four_dimensional():
+    x = RNG.standard_normal((3, 5))
+    net = run(net_text("MVN", x.shape, "mvn_param { across_channels: true }"), x)
+    assert net.blobs["y"].shape == (3, 5, 1, 1)
+    want = (x - x.mean(1, keepdims=True)) / (x.std(1, keepdims=True) + 1e-9)
+    np.testing.assert_allclose(net.blobs["y"].data[..., 0, 0], want, rtol=1e-8)
