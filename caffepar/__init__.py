@@ -2,8 +2,12 @@
 from caffepar import io, proto
 from caffepar.pycaffe import (TEST, TRAIN, Net, layer_type_list, set_device, set_mode_cpu,
                               set_mode_gpu, set_random_seed)
+from caffepar.pycaffe import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,
+                              RMSPropSolver, SGDSolver, Solver, get_solver)
 
 __version__ = "0.1.0"
 
 __all__ = ["Net", "TRAIN", "TEST", "io", "proto", "layer_type_list", "set_mode_cpu",
-           "set_mode_gpu", "set_device", "set_random_seed", "__version__"]
+           "set_mode_gpu", "set_device", "set_random_seed", "__version__",
+           "Solver", "SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSPropSolver",
+           "AdaDeltaSolver", "AdamSolver", "get_solver"]

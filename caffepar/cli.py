@@ -58,6 +58,119 @@ def time_cmd(model, weights, iterations, phase, level, stage, gpu):
     click.echo(format_benchmark(net, result))
 
 
+@cli.command("train")
+@click.option("--solver", required=True, type=click.Path(dir_okay=False),
+              help="Solver prototxt.")
+@click.option("--weights", default=None,
+              help="Caffemodel(s) to fine-tune from, comma-separated (copied by layer name).")
+@click.option("--snapshot", default=None, type=click.Path(dir_okay=False),
+              help="Solverstate to resume from.")
+@click.option("--iterations", default=None, type=click.IntRange(min=0),
+              help="Override the solver's max_iter.")
+@click.option("--level", default=0, type=int, help="Net state level of the train net.")
+@click.option("--stage", multiple=True, help="Net state stage of the train net (repeatable).")
+@click.option("--sigint_effect", "--sigint-effect", default="stop", show_default=True,
+              type=click.Choice(["stop", "snapshot", "none"]),
+              help="What Ctrl-C does: snapshot and stop, snapshot and go on, or nothing.")
+@click.option("--sighup_effect", "--sighup-effect", default="snapshot", show_default=True,
+              type=click.Choice(["stop", "snapshot", "none"]))
+@click.option("--log", "log_file", default=None, type=click.Path(dir_okay=False),
+              help="Also write the log (glog format) to this file.")
+@click.option("--csv", "csv_file", default=None, type=click.Path(dir_okay=False),
+              help="Per-iteration CSV (default: <snapshot_prefix>_log.csv).")
+@click.option("--gpu", default=None, hidden=True)
+def train_cmd(solver, weights, snapshot, iterations, level, stage, sigint_effect, sighup_effect,
+              log_file, csv_file, gpu):
+    """Train a net with a solver, as `caffe train`."""
+    from caffepar.training import run_training
+    _warn_gpu(gpu)
+    if weights and snapshot:
+        raise click.UsageError("give --weights or --snapshot, not both "
+                               "(Caffe: snapshot restores the weights too)")
+    run_training(solver, weights=weights, snapshot=snapshot, iterations=iterations,
+                 level=level, stages=stage, sigint_effect=sigint_effect,
+                 sighup_effect=sighup_effect, log_file=log_file, csv_file=csv_file)
+
+
+@cli.command("test")
+@click.option("--model", required=True, type=click.Path(dir_okay=False))
+@click.option("--weights", required=True, type=click.Path(dir_okay=False))
+@click.option("--iterations", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--level", default=0, type=int)
+@click.option("--stage", multiple=True)
+@click.option("--log", "log_file", default=None, type=click.Path(dir_okay=False))
+@click.option("--gpu", default=None, hidden=True)
+def test_cmd(model, weights, iterations, level, stage, log_file, gpu):
+    """Score a trained model over `iterations` batches, as `caffe test`."""
+    from caffepar.training import run_test
+    _warn_gpu(gpu)
+    run_test(model, weights, iterations, level=level, stages=stage, log_file=log_file)
+
+
+@cli.command("plot")
+@click.argument("source", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out_png", type=click.Path(dir_okay=False))
+def plot_cmd(source, out_png):
+    """Draw training loss, test outputs and learning rate from a log or CSV."""
+    from caffepar.logs import plot_curves
+    curves = plot_curves(source, out_png)
+    click.echo(f"wrote {out_png} ({len(curves['train']['iter'])} training points, "
+               f"{len(curves['test'])} test output(s))")
+
+
+@cli.group("data")
+def data_group():
+    """Build Caffe datasets: CIFAR-10 and MNIST to LMDB, image lists to LMDB, mean images."""
+
+
+@data_group.command("cifar10")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("dst", type=click.Path(file_okay=False))
+def data_cifar10(src, dst):
+    """CIFAR-10 binary batches in SRC -> DST/cifar10_{train,test}_lmdb (convert_cifar_data)."""
+    from caffepar.data.tools import convert_cifar10
+    convert_cifar10(src, dst)
+
+
+@data_group.command("mnist")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("dst", type=click.Path(file_okay=False))
+def data_mnist(src, dst):
+    """MNIST idx files in SRC (.gz accepted) -> DST/mnist_{train,test}_lmdb (convert_mnist_data)."""
+    from caffepar.data.tools import convert_mnist_dir
+    convert_mnist_dir(src, dst)
+
+
+@data_group.command("imageset")
+@click.argument("root", type=click.Path(exists=True, file_okay=False))
+@click.argument("listfile", type=click.Path(exists=True, dir_okay=False))
+@click.argument("db", type=click.Path())
+@click.option("--resize_height", "--resize-height", default=0, type=click.IntRange(min=0))
+@click.option("--resize_width", "--resize-width", default=0, type=click.IntRange(min=0))
+@click.option("--shuffle", is_flag=True, help="Shuffle the list before converting.")
+@click.option("--encoded", is_flag=True, help="Store the encoded image bytes.")
+@click.option("--encode_type", "--encode-type", default="", help="Re-encode as png or jpg.")
+@click.option("--gray", is_flag=True, help="Store single-channel images.")
+@click.option("--backend", default="lmdb", type=click.Choice(["lmdb", "leveldb"]))
+def data_imageset(root, listfile, db, resize_height, resize_width, shuffle, encoded,
+                  encode_type, gray, backend):
+    """Images named in LISTFILE ("path label" lines, under ROOT) -> DB (convert_imageset)."""
+    from caffepar.data.tools import convert_imageset
+    convert_imageset(root, listfile, db, resize_height=resize_height,
+                     resize_width=resize_width, shuffle=shuffle, encoded=encoded,
+                     gray=gray, encode_type=encode_type, backend=backend)
+
+
+@data_group.command("mean")
+@click.argument("db", type=click.Path(exists=True))
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--backend", default="lmdb", type=click.Choice(["lmdb", "leveldb"]))
+def data_mean(db, out, backend):
+    """Mean image of DB as a BlobProto (compute_image_mean)."""
+    from caffepar.data.tools import compute_image_mean
+    compute_image_mean(db, out, backend=backend)
+
+
 def _warn_gpu(gpu):
     if gpu is not None:
         click.echo("warning: caffepar computes on the CPU; -gpu is ignored", err=True)

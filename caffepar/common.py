@@ -25,3 +25,22 @@ def set_random_seed(seed):
 
 def rng():
     return _state["rng"]
+
+
+_fresh = {"seed": None}
+
+
+def run_seed():
+    """The seed set by set_random_seed, else one drawn from the OS once per process."""
+    if _state["seed"] is not None:
+        return _state["seed"]
+    if _fresh["seed"] is None:
+        _fresh["seed"] = int(np.random.SeedSequence().entropy % (1 << 63))
+    return _fresh["seed"]
+
+
+def seed_for(name):
+    """A stable per-consumer seed (e.g. a data layer's name) derived from the run's seed, so
+    random choices are reproducible across processes without a shared global RNG."""
+    import zlib
+    return (int(run_seed()) % (1 << 63)) * (1 << 32) + zlib.crc32(str(name).encode())

@@ -37,6 +37,32 @@ class Net(_net.Net):
         super().__init__(model, phase=phase, level=level, stages=tuple(stages), weights=weights,
                          dtype=dtype)
 
+    def set_input_arrays(self, data, labels):
+        """Feed arrays to the net's first MemoryData layer, with pycaffe's checks. The layer
+        keeps references to the arrays (no copy), as pycaffe does."""
+        layer = next((l for l in self.layers if l.type == "MemoryData"), None)
+        if layer is None:
+            raise NetError("set_input_arrays may only be called if the net has a MemoryData layer")
+        labels = np.asarray(labels) if not isinstance(labels, np.ndarray) else labels
+        if labels.ndim == 1:
+            labels = np.ascontiguousarray(labels[:, None, None, None])
+        for name, arr, dims in (("data array", data, (layer.channels, layer.height, layer.width)),
+                                ("labels array", labels, (1, 1, 1))):
+            if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous:
+                raise NetError(f"{name} must be C contiguous")
+            if arr.ndim != 4:
+                raise NetError(f"{name} must be 4-d")
+            if arr.dtype != np.float32:
+                raise NetError(f"{name} must be float32")
+            for axis, what in zip(range(1, 4), ("number of channels", "height", "width")):
+                if arr.shape[axis] != dims[axis - 1]:
+                    raise NetError(f"{name} has wrong {what}")
+        if data.shape[0] != labels.shape[0]:
+            raise NetError("data and labels must have the same first dimension")
+        if data.shape[0] % layer.batch_size:
+            raise NetError("first dimensions of input arrays must be a multiple of batch size")
+        layer.reset(data, labels, data.shape[0])
+
     def forward_all(self, blobs=None, **kwargs):
         """Forward inputs of any length in the net's batch size; outputs concatenated."""
         outs = {name: [] for name in set(self.outputs) | set(blobs or ())}
@@ -64,3 +90,7 @@ class Net(_net.Net):
 def layer_type_list():
     from caffepar.layers import LAYERS
     return sorted(LAYERS)
+
+
+from caffepar.solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver,  # noqa: E402
+                              NesterovSolver, RMSPropSolver, SGDSolver, Solver, get_solver)

@@ -145,6 +145,10 @@ CASES = [
     case(1, 64, (4, 4, 4), 4, 3, 1, 1),            # 3-D per-tap path
     case(2, 4, (5, 5, 5), 4, 3, 2, 1, 1, 2),       # 3-D stride 2 groups
     case(2, 8, (4, 5, 4), 3, (2, 3, 2), 1, 1),     # 3-D flipped-kernel dx
+    case(3, 3, (5, 36), 4, 3, 1, 1),               # long rows: image-major im2col
+    case(2, 4, (6, 70), 4, 3, (1, 2), 1, 1, 2),
+    case(2, 16, (4, 40), 4, 3, 1, 1),
+    case(2, 64, (5, 5), 64, 3, 1, 1),              # many channels, small image: im2col
 ]
 
 
@@ -225,7 +229,7 @@ def test_need_flags():
     close(db, full[2], 1e-12)
 
 
-@pytest.mark.parametrize("cs", [CASES[i] for i in (1, 3, 7, 9, 16, 17, 21, 25, 28)], ids=ids)
+@pytest.mark.parametrize("cs", [CASES[i] for i in (1, 3, 7, 9, 16, 17, 21, 25, 28, 29, 31, 32)], ids=ids)
 @pytest.mark.parametrize("direct", [1, 1 << 30])
 def test_small_workspace_and_blocks(cs, direct, monkeypatch):
     """Chunking over images, rows and grid columns must not change results."""
@@ -234,7 +238,23 @@ def test_small_workspace_and_blocks(cs, direct, monkeypatch):
     monkeypatch.setattr(cm, "BLOCK_MIN_COLS", 7)
     monkeypatch.setattr(cm, "COLS_BYTES", 1 if direct == 1 else 1 << 30)
     monkeypatch.setattr(cm, "COLS_DIRECT_MIN", direct)
-    monkeypatch.setattr(cm, "COLS_BATCH", 20)
+    x, w, b, dy = make(cs)
+    args = cs[5:]
+    close(cm.conv_forward(x, w, b, *args), ref_conv(x, w, b, *args), 1e-10)
+    for got, want in zip(cm.conv_backward(dy, x, w, *args), ref_conv_grads(dy, x, w, *args)):
+        close(got, want, 1e-10)
+
+
+@pytest.mark.parametrize("cs", [CASES[i] for i in (3, 21, 25, 29, 30)], ids=ids)
+def test_im2col_row_blocks_over_image_batches(cs, monkeypatch):
+    """Several images per block and a few rows at a time, in either layout."""
+    n, c, sp, o, k, stride, pad, dil, group = cs
+    g = cm._Geom(sp, k, stride, pad, dil)
+    rest = int(np.prod(g.out[1:]))
+    monkeypatch.setattr(cm, "COLS_BYTES", 2 * rest * (g.ntaps * c // group + 1) * group * 8)
+    monkeypatch.setattr(cm, "COLS_SHORT_ROW", 1 << 30)
+    plan = cm._ColsPlan(g, n, c, o, group, 8)
+    assert plan.nb == 2 and plan.rows < g.out[0] and plan.batch_last
     x, w, b, dy = make(cs)
     args = cs[5:]
     close(cm.conv_forward(x, w, b, *args), ref_conv(x, w, b, *args), 1e-10)

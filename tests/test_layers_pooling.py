@@ -1,4 +1,4 @@
-"""Pooling and SPP: forward against an explicit-loop reference of Caffe's algorithm, gradient checks."""
+"""Pooling and SPP: forward against an explicit-loop reference of Caffe's loops, gradient checks."""
 import math
 
 import numpy as np
@@ -174,8 +174,19 @@ def test_float32_runs_and_matches():
     np.testing.assert_allclose(net.blobs["y"].data, want, rtol=1e-5, atol=1e-6)
 
 
+def test_stochastic_pooling_refused_when_run():
+    net = build(net_text("Pooling", (1, 1, 4, 4), "pooling_param { pool: STOCHASTIC "
+                         "kernel_size: 2 stride: 2 }"))
+    assert net.blobs["y"].shape == (1, 1, 2, 2)
+    with pytest.raises(CaffeparError, match="not implemented on the CPU"):
+        net.forward()
+    spp = build(net_text("SPP", (1, 1, 4, 4), "spp_param { pyramid_height: 2 pool: STOCHASTIC }"))
+    with pytest.raises(CaffeparError, match="not implemented on the CPU"):
+        spp.forward()
+
+
 @pytest.mark.parametrize("extra,match", [
-    ("pooling_param { pool: STOCHASTIC kernel_size: 2 }", "not implemented on the CPU"),
+    ("pooling_param { pool: STOCHASTIC kernel_size: 3 pad: 1 }", "padding is implemented only"),
     ("pooling_param { pool: MAX }", "kernel_h and kernel_w"),
     ("pooling_param { pool: MAX kernel_size: 2 kernel_h: 2 }", "not both"),
     ("pooling_param { pool: MAX global_pooling: true kernel_size: 2 }", "global_pooling"),

@@ -1,25 +1,26 @@
 """Convolution arithmetic with Caffe's semantics, built on BLAS GEMM.
 
-Blobs are (N, C, *spatial); weights (O, C/group, *kernel). One engine serves
-every case, any number of spatial axes:
+Blobs are (N, C, *spatial); weights (O, C/group, *kernel). Any number of
+spatial axes goes through the same two engines; which one runs is chosen per
+layer shape (``_use_cols``):
 
-* The padded input of a chunk of images is laid out channel-major as
-  ``(C, phases, images, *Q)`` and flattened per channel. For a stride-1 axis
-  there is one phase; a stride-s axis is split into its s polyphase
-  components, which turns every kernel tap into a *unit-stride* shifted view
-  of that flat buffer.
-* The output over the (images, *Q) grid is then a sum over taps of
-  ``W_tap @ B[:, off:off+L]``: each operand is a strided view that BLAS reads
-  in place (leading dimension = row length), accumulated with beta=1. Grid
-  cells outside the real output are garbage and are dropped when the result
-  is copied back to NCHW.
-* When channels per group are few (e.g. the RGB first layer), per-tap GEMMs
-  are too thin, so taps are stacked into the inner dimension instead: a
-  small column block is copied tap by tap (contiguous copies, i.e. an
-  im2col over the flat grid) and multiplied once.
-* Work is done in chunks of images and of grid columns, so the temporary
-  workspace stays bounded (``WORKSPACE_BYTES``) and the accumulated output
-  block stays in cache.
+* Per-tap GEMMs on a flat grid (many channels, large images). The padded
+  input of a chunk of images is laid out channel-major as
+  ``(C, phases, images, *Q)`` and flattened per channel. A stride-1 axis has
+  one phase; a stride-s axis is split into its s polyphase components, which
+  turns every kernel tap into a *unit-stride* shifted view of that buffer.
+  The output over the grid is the sum over taps of ``W_tap @ B[:, off:off+L]``
+  with operands that BLAS reads in place (leading dimension = row length),
+  accumulated with beta=1: no im2col at all. Grid cells outside the real
+  output are garbage, dropped when the result is copied back to NCHW.
+* im2col with one deep GEMM (few channels per group, e.g. the RGB first
+  layer, or small images where the grid's garbage share is large). Columns
+  are built in bounded blocks and the bias rides along as a row of ones; for
+  large images each image's GEMM writes y (and reads dy) in place.
+
+Temporary workspace is bounded: images are processed in chunks
+(``WORKSPACE_BYTES``), column buffers in blocks (``COLS_BYTES``), and the
+work arrays are reused across calls (``release_workspace`` frees them).
 
 GEMMs go through SciPy's exported BLAS (``scipy.linalg.cython_blas``) called
 with ctypes, because the f2py wrappers in ``scipy.linalg.blas`` copy any view
@@ -30,6 +31,7 @@ entry point is unavailable a NumPy fallback is used.
 import ctypes
 import itertools
 import math
+import threading
 
 import numpy as np
 
@@ -45,11 +47,14 @@ __all__ = [
 
 #: Upper bound on the per-call scratch memory (image chunks are sized to it).
 WORKSPACE_BYTES = 64 << 20
-#: Per-tap GEMMs span at least this many bytes of grid columns (all rows).
+#: Per-tap GEMMs span max(BLOCK_MIN_COLS, BLOCK_BYTES / row bytes) grid
+#: columns: wide, as BLAS call and thread start-up costs outweigh caching.
 BLOCK_BYTES = 16 << 20
 BLOCK_MIN_COLS = 8192
 #: Layers with fewer input channels per group use im2col (one deep GEMM).
 COLS_MAX_CHANNELS = 64
+#: Relative im2col copy cost, times the GEMM rows (see _use_cols).
+COLS_COPY_OPS = 32
 #: Bound on the im2col column buffer.
 COLS_BYTES = 16 << 20
 #: im2col layers with at least this many channels per group get dx as a
@@ -57,9 +62,10 @@ COLS_BYTES = 16 << 20
 #: scatter-adds cost more than the GEMM once channels are many.
 FLIP_MIN_CHANNELS = 8
 #: An image with at least this many output pixels is its own GEMM, written
-#: straight into y; smaller images are batched up to COLS_BATCH columns.
+#: straight into y; smaller images are batched.
 COLS_DIRECT_MIN = 4096
-COLS_BATCH = 8192
+#: Below this output row length, small images are laid out batch-innermost.
+COLS_SHORT_ROW = 32
 #: 1x1 unpadded stride-1 convs on images this large are one GEMM per image.
 POINTWISE_DIRECT_MIN = 1024
 
@@ -241,6 +247,35 @@ class _Geom:
         return (nc - 1) * self.qsize + self.last + 1
 
 
+_POOL = threading.local()
+
+
+def _scratch(key, shape, dtype, zero=False):
+    """A reusable per-thread work array (never returned to callers).
+
+    Fresh large allocations cost page faults and kernel zeroing on every
+    call; keeping one buffer per role bounds the workspace and avoids that.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    bufs = getattr(_POOL, "bufs", None)
+    if bufs is None:
+        bufs = _POOL.bufs = {}
+    raw = bufs.get(key)
+    if raw is None or raw.nbytes < nbytes:
+        bufs.pop(key, None)
+        raw = bufs[key] = np.empty(max(nbytes, 64), np.uint8)
+    a = raw[:nbytes].view(dtype).reshape(shape)
+    if zero:
+        a.fill(0)
+    return a
+
+
+def release_workspace():
+    """Free this thread's cached work arrays."""
+    _POOL.bufs = {}
+
+
 def _workspace_chunk(per_image_bytes, n):
     return int(max(1, min(n, WORKSPACE_BYTES // max(per_image_bytes, 1))))
 
@@ -249,8 +284,7 @@ def _gather(g, xc, dtype, zero_fill=True):
     """Polyphase channel-major copy of a chunk of images: (C, P*nc*Qsize)."""
     nc, c = xc.shape[:2]
     p = len(g.phases)
-    alloc = np.zeros if (zero_fill and not g.grid_full) else np.empty
-    buf = alloc((c, p * nc * g.qsize), dtype)
+    buf = _scratch("buf", (c, p * nc * g.qsize), dtype, zero_fill and not g.grid_full)
     view = buf.reshape((c, p, nc) + g.q)
     perm = (1, 0) + tuple(range(2, 2 + g.nd))
     for pi, (qsl, xsl) in enumerate(g.copies):
@@ -278,15 +312,21 @@ def _grid_view(g, buf, nc):
 
 
 def _col_block(rows_bytes):
-    """Grid columns per GEMM: wide, since BLAS call and thread start-up costs
-    outweigh cache effects here."""
     return int(max(BLOCK_MIN_COLS, BLOCK_BYTES // max(rows_bytes, 1)))
 
 
-def _use_cols(g, cg, group):
-    """Stack taps into the GEMM's inner dimension (im2col) when per-tap GEMMs
-    would be too thin: few channels per group."""
-    return g.ntaps > 1 and cg < COLS_MAX_CHANNELS and not (cg == 1 and group > 1)
+def _use_cols(g, cg, og, group):
+    """im2col (one deep GEMM per block) or per-tap GEMMs on the flat grid?
+
+    Per-tap GEMMs are too thin when channels per group are few. Otherwise
+    they avoid im2col's copies (which cost about COLS_COPY_OPS / Og of the
+    GEMM time) but also compute the grid's garbage cells, a large share for
+    small images (14x14 -> 16x16 grid: 31%).
+    """
+    if g.ntaps == 1 or (cg == 1 and group > 1):
+        return False
+    waste = g.qsize / math.prod(g.out) - 1
+    return cg < COLS_MAX_CHANNELS or waste > COLS_COPY_OPS / og
 
 
 # --------------------------------------------------------------------------
@@ -353,13 +393,15 @@ def _grid_backward(g, buf, dybuf, dbuf, wt, dwt, nc, group, cg, og, first):
 # --------------------------------------------------------------------------
 
 class _ColsPlan:
-    """Blocking of the im2col path.
+    """Blocking and layout of the im2col path.
 
-    Images are processed nb at a time in a (C, *S_padded, nb) layout, batch
-    innermost, so each tap's gather copies runs of whole rows times nb and
-    small images still make wide GEMMs. Columns are blocked along the first
-    spatial axis to bound the column buffer. With nb == 1 (large images) the
-    GEMMs read and write y and dy in place, without any transposition.
+    Images are processed nb at a time. Long rows use an image-major layout
+    (C, nb, *S_padded): gathers copy row-long runs and the output needs only
+    a block copy. Short rows (small images) use batch-innermost
+    (C, *S_padded, nb) so that gathers copy runs of rows times nb instead of
+    a few pixels. Columns are blocked along the first spatial axis to bound
+    the column buffer. With nb == 1 (large images) the GEMMs read and write
+    y and dy in place, without any transposition.
     """
 
     def __init__(self, g, n, c, o, group, isz):
@@ -368,12 +410,16 @@ class _ColsPlan:
         self.hw = g.out[0] * self.rest
         self.sp = tuple(i + 2 * p for i, p in zip(g.in_sp, g.pad))
         max_cols = max(1, COLS_BYTES // ((self.k + 1) * group * isz))
+        self.batch_last = False
         if self.hw >= COLS_DIRECT_MIN:
             nb = 1
         else:
             per_image = (2 * c * math.prod(self.sp) + o * self.hw) * isz
-            nb = min(n, WORKSPACE_BYTES // per_image, max(1, max_cols // self.rest))
-        self.nb = int(max(1, nb))
+            nb = max(1, min(n, WORKSPACE_BYTES // per_image, max_cols // self.rest))
+            self.batch_last = g.out[-1] < COLS_SHORT_ROW and nb > 1
+            if not self.batch_last:
+                nb = max(1, min(nb, max_cols // self.hw))
+        self.nb = int(nb)
         self.rows = int(min(g.out[0], max(1, max_cols // (self.rest * self.nb))))
         self.ncols = self.rows * self.rest * self.nb
         self.taps = list(itertools.product(*[range(k) for k in g.kernel]))
@@ -386,37 +432,45 @@ class _ColsPlan:
         for r0 in range(0, g.out[0], self.rows):
             yield r0, min(self.rows, g.out[0] - r0)
 
-    def tap_slices(self, g, kidx, r0, rows):
+    def layout_shape(self, c, m, spatial):
+        return (c,) + spatial + (m,) if self.batch_last else (c, m) + spatial
+
+    def to_layout(self, a):
+        """(m, C, *S) -> the chunk layout."""
+        return np.moveaxis(a, 0, -1) if self.batch_last else a.swapaxes(0, 1)
+
+    def from_layout(self, a):
+        return np.moveaxis(a, -1, 0) if self.batch_last else a.swapaxes(0, 1)
+
+    def spatial_index(self, sl):
+        lead = (slice(None),) if self.batch_last else (slice(None), slice(None))
+        return lead + tuple(sl)
+
+    def interior(self, g):
+        return self.spatial_index(slice(p, p + i) for p, i in zip(g.pad, g.in_sp))
+
+    def tap_index(self, g, kidx, r0, rows):
         first = kidx[0] * g.dilation[0] + r0 * g.stride[0]
         sl = [slice(first, first + (rows - 1) * g.stride[0] + 1, g.stride[0])]
         for i, d, s, o in zip(kidx[1:], g.dilation[1:], g.stride[1:], g.out[1:]):
             sl.append(slice(i * d, i * d + (o - 1) * s + 1, s))
-        return (slice(None),) + tuple(sl)
+        return self.spatial_index(sl)
 
 
-def _batch_last(a):
-    return np.moveaxis(a, 0, -1)
-
-
-def _interior_last(g):
-    return (slice(None),) + tuple(slice(p, p + i) for p, i in zip(g.pad, g.in_sp))
-
-
-def _pad_batch_last(g, plan, xc, dt):
-    """(m, C, *S) -> zero-padded (C, *S_padded, m)."""
-    xt = np.zeros((xc.shape[1],) + plan.sp + (xc.shape[0],), dt)
-    np.copyto(xt[_interior_last(g)], _batch_last(xc))
+def _pad_chunk(g, plan, xc, dt):
+    """(m, C, *S) -> zero-padded chunk layout."""
+    xt = _scratch("xt", plan.layout_shape(xc.shape[1], xc.shape[0], plan.sp), dt, True)
+    np.copyto(xt[plan.interior(g)], plan.to_layout(xc))
     return xt
 
 
 def _fill_cols(plan, g, xt, cols, group, r0, rows):
-    """cols[gi, t*cg + c, (row, pixel, image)] = padded input under tap t."""
-    m = xt.shape[-1]
+    """cols[gi, t*cg + c, columns] = padded input under tap t."""
     c = xt.shape[0]
     cg = c // group
-    ncol = rows * plan.rest * m
+    ncol = rows * plan.rest * (xt.shape[-1] if plan.batch_last else xt.shape[1])
     for t, kidx in enumerate(plan.taps):
-        src = xt[plan.tap_slices(g, kidx, r0, rows)]
+        src = xt[plan.tap_index(g, kidx, r0, rows)]
         src = src.reshape((group, cg) + src.shape[1:])
         np.copyto(cols[:, t * cg:(t + 1) * cg, :ncol].reshape(src.shape), src)
 
@@ -434,7 +488,7 @@ def _cols_weights(w, group, bias):
 
 def _cols_buffer(plan, group, dt):
     """Column buffer whose last row per group is ones (it carries the bias)."""
-    cols = np.empty((group, plan.k + 1, plan.ncols), dt)
+    cols = _scratch("cols", (group, plan.k + 1, plan.ncols), dt)
     cols[:, -1, :] = 1
     return cols
 
@@ -447,9 +501,9 @@ def _cols_forward(g, x, w, b, y, group, dt):
     wa = _cols_weights(w, group, b)
     cols = _cols_buffer(plan, group, dt)
     yf = y.reshape(n, o, plan.hw)
-    ytmp = np.empty((o, plan.hw * plan.nb), dt) if plan.nb > 1 else None
+    ytmp = _scratch("ytmp", (o, plan.hw * plan.nb), dt) if plan.nb > 1 else None
     for n0, m in plan.chunks(n):
-        xt = _pad_batch_last(g, plan, x[n0:n0 + m], dt)
+        xt = _pad_chunk(g, plan, x[n0:n0 + m], dt)
         for r0, rows in plan.row_blocks(g):
             _fill_cols(plan, g, xt, cols, group, r0, rows)
             ncol = rows * plan.rest * m
@@ -461,8 +515,8 @@ def _cols_forward(g, x, w, b, y, group, dt):
                     dst = ytmp[gi * og:(gi + 1) * og, c0:c0 + ncol]
                 _gemm(wa[gi], cols[gi, :, :ncol], dst)
         if ytmp is not None:
-            yt = ytmp[:, :plan.hw * m].reshape(o, plan.hw, m)
-            np.copyto(yf[n0:n0 + m], yt.transpose(2, 0, 1))
+            yt = ytmp[:, :plan.hw * m].reshape(plan.layout_shape(o, m, (plan.hw,)))
+            np.copyto(yf[n0:n0 + m], plan.from_layout(yt))
 
 
 def _flipped_geom(g):
@@ -495,16 +549,18 @@ def _cols_backward(g, dy, x, w, dx, group, need_dw, need_db, dt):
     cols = _cols_buffer(plan, group, dt) if need_dw else None
     dwa = np.zeros((group, og, plan.k + 1), dt) if need_dw else None
     wk = _cols_weights(w, group, None)[:, :, :-1] if dx is not None else None
-    dcols = np.empty((plan.k, plan.ncols), dt) if dx is not None else None
-    dyt = np.empty((o, plan.hw * plan.nb), dt) if plan.nb > 1 else None
+    dcols = _scratch("dcols", (plan.k, plan.ncols), dt) if dx is not None else None
+    dyt = _scratch("ytmp", (o, plan.hw * plan.nb), dt) if plan.nb > 1 else None
     for n0, m in plan.chunks(n):
-        xt = _pad_batch_last(g, plan, x[n0:n0 + m], dt) if need_dw else None
-        dxt = np.zeros((c,) + plan.sp + (m,), dt) if dx is not None else None
+        xt = _pad_chunk(g, plan, x[n0:n0 + m], dt) if need_dw else None
+        dxt = _scratch("dxt", plan.layout_shape(c, m, plan.sp), dt, True) \
+            if dx is not None else None
         if dyt is None:
             dyc = dyf[n0]
         else:
             dyc = dyt[:, :plan.hw * m]
-            np.copyto(dyc.reshape(o, plan.hw, m), dyf[n0:n0 + m].transpose(1, 2, 0))
+            np.copyto(dyc.reshape(plan.layout_shape(o, m, (plan.hw,))),
+                      plan.to_layout(dyf[n0:n0 + m]))
         for r0, rows in plan.row_blocks(g):
             ncol = rows * plan.rest * m
             c0 = r0 * plan.rest * m
@@ -518,10 +574,10 @@ def _cols_backward(g, dy, x, w, dx, group, need_dw, need_db, dt):
                     _gemm(wk[gi], dyg, dcols[:, :ncol], trans_a=True)
                     for t, kidx in enumerate(plan.taps):
                         dst = dxt[(slice(gi * cg, (gi + 1) * cg),)
-                                  + plan.tap_slices(g, kidx, r0, rows)[1:]]
+                                  + plan.tap_index(g, kidx, r0, rows)[1:]]
                         dst += dcols[t * cg:(t + 1) * cg, :ncol].reshape(dst.shape)
         if dx is not None:
-            np.copyto(dx[n0:n0 + m], np.moveaxis(dxt[_interior_last(g)], -1, 0))
+            np.copyto(dx[n0:n0 + m], plan.from_layout(dxt[plan.interior(g)]))
     dw = db = None
     if need_dw:
         dw = np.ascontiguousarray(
@@ -615,7 +671,7 @@ def conv_forward(x, w, b, stride, pad, dilation, group):
         if bias is not None:
             y += bias.reshape(_bias_shape(g.nd))
         return y
-    if _use_cols(g, cg, group):
+    if _use_cols(g, cg, og, group):
         _cols_forward(g, x, w, bias, y, group, dt)
         return y
     wt = _tap_weights(w, group)
@@ -624,7 +680,7 @@ def conv_forward(x, w, b, stride, pad, dilation, group):
     for n0 in range(0, n, nc):
         m = min(nc, n - n0)
         buf = _gather(g, x[n0:n0 + m], dt)
-        ybuf = np.empty((o, m * g.qsize), dt)
+        ybuf = _scratch("ybuf", (o, m * g.qsize), dt)
         _grid_forward(g, buf, wt, ybuf, m, group, cg, og)
         del buf
         yv = _grid_view(g, ybuf, m)
@@ -671,7 +727,7 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
         raise ValueError(f"conv_backward: dy has shape {dy.shape}, expected {(n, o) + g.out}")
     if not (need_dx or need_dw or need_db):
         return None, None, None
-    use_cols = _use_cols(g, cg, group) and n > 0 and (need_dx or need_dw)
+    use_cols = _use_cols(g, cg, og, group) and n > 0 and (need_dx or need_dw)
     dx = None
     if need_dx:
         dx = (np.empty if (g.x_full or use_cols) else np.zeros)(x_shape, dt)
@@ -698,9 +754,10 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
     for i, n0 in enumerate(range(0, n, nc)):
         m = min(nc, n - n0)
         buf = _gather(g, x[n0:n0 + m], dt) if need_dw else None
-        dybuf = (np.empty if _grid_dense(g) else np.zeros)((o, m * g.qsize), dt)
+        dybuf = _scratch("ybuf", (o, m * g.qsize), dt)
+        _zero_garbage(g, dybuf, m)
         np.copyto(_grid_view(g, dybuf, m), dy[n0:n0 + m])
-        dbuf = np.zeros((c, len(g.phases) * m * g.qsize), dt) if need_dx else None
+        dbuf = _scratch("dbuf", (c, len(g.phases) * m * g.qsize), dt, True) if need_dx else None
         _grid_backward(g, buf, dybuf, dbuf, wt, dwt, m, group, cg, og, first=(i == 0))
         del buf, dybuf
         if need_dx:
@@ -711,9 +768,12 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
     return dx, dw, db
 
 
-def _grid_dense(g):
-    """True when the (images, *Q) grid has no garbage cells."""
-    return g.q == g.out
+def _zero_garbage(g, buf, nc):
+    """Zero the grid cells outside the real output (each axis' tail)."""
+    v = buf[:, :nc * g.qsize].reshape((buf.shape[0], nc) + g.q)
+    for a, (q, o) in enumerate(zip(g.q, g.out)):
+        if q > o:
+            v[(slice(None),) * (2 + a) + (slice(o, None),)] = 0
 
 
 def _is_pointwise(g):

@@ -196,7 +196,7 @@ class SigmoidCrossEntropyLossLayer(NormalizedLoss):
         x = bottom[0].data.reshape(-1)
         t = bottom[1].data.reshape(-1)
         pos = (x >= 0).astype(x.dtype)
-        term = x * (t - pos) - np.log1p(np.exp(x - 2 * x * pos))
+        term = x * (t - pos) - np.log(1 + np.exp(x - 2 * x * pos))
         valid = self._valid(bottom)
         if valid is None:
             loss, count = -term.sum(dtype=np.float64), x.size

@@ -83,7 +83,7 @@ class LRNLayer(Layer):
             pooled *= self.alpha / (self.size * self.size)
             pooled += 1
             self.base = pooled
-            self.factor = np.power(pooled, -self.beta)
+            self.factor = neg_power(pooled, self.beta, np.empty_like(pooled))
             np.multiply(x, self.factor, out=y)
 
     def backward(self, top, propagate_down, bottom):

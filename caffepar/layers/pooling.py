@@ -44,13 +44,20 @@ class PoolGeometry:
         self.fw = max((self.ow - 1) * self.sw + self.kw, w + self.pw)
 
     def frame(self, x, fill):
-        """x (N, C, H, W) placed in a frame starting at (-pad_h, -pad_w), other cells = fill."""
-        n, c = x.shape[:2]
-        f = np.empty((n, c, self.fh, self.fw), x.dtype)
-        if fill is not None:
-            f.fill(fill)
+        """x (N, C, H, W) placed in a frame starting at (-pad_h, -pad_w), other cells = fill;
+        x itself when no window reaches outside the image (read only)."""
+        if self.fh == self.h and self.fw == self.w:
+            return x
+        f = np.full((x.shape[0], x.shape[1], self.fh, self.fw), fill, x.dtype)
         f[:, :, self.ph:self.ph + self.h, self.pw:self.pw + self.w] = x
         return f
+
+    def grad_frame(self, dx):
+        """A zeroed frame to scatter gradients into (dx itself when the frame is the image)."""
+        if self.fh == self.h and self.fw == self.w:
+            dx.fill(0)
+            return dx
+        return np.zeros((dx.shape[0], dx.shape[1], self.fh, self.fw), dx.dtype)
 
     def view(self, frame, i, j):
         return frame[:, :, i:i + (self.oh - 1) * self.sh + 1:self.sh,
@@ -67,13 +74,6 @@ class PoolGeometry:
         dh = extent(self.oh, self.kh, self.ph, self.sh, self.h)
         dw = extent(self.ow, self.kw, self.pw, self.sw, self.w)
         return np.outer(dh, dw).astype(dtype)
-
-    def empty_windows(self):
-        """Windows with no cell inside the image (possible only without padding when
-        stride > kernel): (row mask, col mask) of the output grid."""
-        rows = np.arange(self.oh) * self.sh - self.ph >= self.h
-        cols = np.arange(self.ow) * self.sw - self.pw >= self.w
-        return rows, cols
 
 
 def max_pool_forward(g, x, out):
@@ -103,13 +103,14 @@ def max_pool_mask(g, arg):
 
 
 def max_pool_backward(g, arg, dy, dx):
-    frame = np.zeros((dx.shape[0], dx.shape[1], g.fh, g.fw), dx.dtype)
+    frame = g.grad_frame(dx)
     tmp = np.empty(dy.shape, dx.dtype)
     for i in range(g.kh):
         for j in range(g.kw):
             np.multiply(dy, arg == i * g.kw + j, out=tmp)
             g.view(frame, i, j)[...] += tmp
-    dx[...] = g.crop(frame)
+    if frame is not dx:
+        dx[...] = g.crop(frame)
     none = arg < 0
     if none.any():
         _scatter_unassigned(none, dy, dx)
@@ -145,12 +146,13 @@ def ave_pool_forward(g, x, out):
 
 
 def ave_pool_backward(g, dy, dx):
-    frame = np.zeros((dx.shape[0], dx.shape[1], g.fh, g.fw), dx.dtype)
+    frame = g.grad_frame(dx)
     scaled = dy / g.ave_divisor(dy.dtype)
     for i in range(g.kh):
         for j in range(g.kw):
             g.view(frame, i, j)[...] += scaled
-    dx[...] = g.crop(frame)
+    if frame is not dx:
+        dx[...] = g.crop(frame)
 
 
 @register("Pooling")
@@ -165,9 +167,7 @@ class PoolingLayer(Layer):
     def layer_setup(self, bottom, top):
         p = self.param.pooling_param
         self.method = p.pool
-        if self.method == PP.STOCHASTIC:
-            raise self.error("STOCHASTIC pooling is not implemented on the CPU (as in Caffe)")
-        if self.method not in (PP.MAX, PP.AVE):
+        if self.method not in (PP.MAX, PP.AVE, PP.STOCHASTIC):
             raise self.error(f"unknown pooling method {self.method}")
         if len(top) > 1 and self.method != PP.MAX:
             raise self.error(f"only MAX pooling can output a mask top, got {len(top)} tops")
@@ -205,6 +205,8 @@ class PoolingLayer(Layer):
             raise self.error(f"stride must be > 0, got {sh}x{sw}")
         if self.global_pooling and (ph or pw or sh != 1 or sw != 1):
             raise self.error("with global_pooling: true only pad = 0 and stride = 1 are allowed")
+        if (ph or pw) and self.method == PP.STOCHASTIC:
+            raise self.error("padding is implemented only for average and max pooling")
         if (ph or pw) and (ph >= kh or pw >= kw):
             raise self.error(f"pad must be smaller than the kernel, got pad {ph}x{pw} for kernel "
                              f"{kh}x{kw}")
@@ -230,6 +232,8 @@ class PoolingLayer(Layer):
     def forward(self, bottom, top):
         g = self.geom
         x, y = bottom[0].data, top[0].data
+        if self.method == PP.STOCHASTIC:
+            raise self.error("STOCHASTIC pooling is not implemented on the CPU (as in Caffe)")
         if self.method == PP.MAX:
             if self.global_pooling:
                 flat = x.reshape(x.shape[0], x.shape[1], -1)
@@ -248,6 +252,8 @@ class PoolingLayer(Layer):
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
+        if self.method == PP.STOCHASTIC:
+            raise self.error("STOCHASTIC pooling is not implemented on the CPU (as in Caffe)")
         g = self.geom
         dy, dx = top[0].diff, bottom[0].diff
         if self.method == PP.MAX:
@@ -289,9 +295,10 @@ class SPPLayer(Layer):
         self.height = p.pyramid_height
         if self.height <= 0:
             raise self.error(f"pyramid_height must be > 0, got {self.height}")
-        if p.pool == caffe_pb2.SPPParameter.STOCHASTIC:
-            raise self.error("STOCHASTIC pooling is not implemented on the CPU (as in Caffe)")
-        self.method = PP.MAX if p.pool == caffe_pb2.SPPParameter.MAX else PP.AVE
+        self.method = {caffe_pb2.SPPParameter.MAX: PP.MAX, caffe_pb2.SPPParameter.AVE: PP.AVE,
+                       caffe_pb2.SPPParameter.STOCHASTIC: PP.STOCHASTIC}.get(p.pool)
+        if self.method is None:
+            raise self.error(f"unknown pooling method {p.pool}")
 
     def reshape(self, bottom, top):
         if bottom[0].num_axes != 4:
@@ -304,6 +311,8 @@ class SPPLayer(Layer):
         total = 0
         for level in range(self.height):
             kh, kw, ph, pw = spp_level_geometry(level, h, w)
+            if (ph or pw) and self.method == PP.STOCHASTIC:
+                raise self.error("padding is implemented only for average and max pooling")
             if (ph or pw) and (ph >= kh or pw >= kw):
                 raise self.error(f"pyramid level {level} needs pad {ph}x{pw} >= kernel {kh}x{kw} "
                                  f"for a {h}x{w} input, which Caffe's pooling refuses")
@@ -326,6 +335,8 @@ class SPPLayer(Layer):
             start += size
 
     def forward(self, bottom, top):
+        if self.method == PP.STOCHASTIC:
+            raise self.error("STOCHASTIC pooling is not implemented on the CPU (as in Caffe)")
         x = bottom[0].data
         n, c = x.shape[:2]
         y = top[0].data.reshape(n, -1)

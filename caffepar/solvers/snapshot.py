@@ -1,0 +1,193 @@
+"""Solver state files: Caffe's binary SolverState and HDF5 `.solverstate.h5`, read and written.
+
+History blobs are streamed to and from disk without going through Python protobuf (which is
+far too slow for VGG-sized histories). caffepar adds resume fields that Caffe skips when it
+reads our files: `data_position` / `rng_state` (fields 1000/1001) in the binary form, and
+`data_position` / `rng_state` datasets in the HDF5 form.
+"""
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from caffepar.errors import MissingFileError, SolverError
+from caffepar.io.weights import (_Truncated, _blob_chunks, _encode_varint, _fields, _key,
+                                 atomic_write, decode_blob)
+from caffepar.proto import caffe_pb2
+
+STATE_HISTORY = 3
+
+
+@dataclass
+class SolverStateData:
+    """What a solver state file holds. `history` is a list of (values, shape, legacy_shape)."""
+
+    iter: int = 0
+    learned_net: str = None
+    current_step: int = 0
+    history: list = field(default_factory=list)
+    data_position: list = field(default_factory=list)
+    rng_state: bytes = None
+
+    def resume_state(self):
+        """Our JSON resume record ({"rng": ..., "data": {...}}), or None for a Caffe snapshot."""
+        if not self.rng_state:
+            return None
+        try:
+            return json.loads(self.rng_state.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return None
+
+
+def encode_resume_state(rng_state, data_states):
+    return json.dumps({"rng": rng_state, "data": data_states}, sort_keys=True).encode("utf-8")
+
+
+# ------------------------------------------------------------------------------- binary
+def write_binary(path, state):
+    """Write a SolverState in Caffe's field order (iter, learned_net, history, current_step),
+    then our extension fields, atomically."""
+    head = caffe_pb2.SolverState()
+    head.iter = int(state.iter)
+    if state.learned_net is not None:
+        head.learned_net = state.learned_net
+    tail = caffe_pb2.SolverState()
+    tail.current_step = int(state.current_step)
+    tail.data_position.extend(int(p) for p in state.data_position)
+    if state.rng_state is not None:
+        tail.rng_state = state.rng_state
+
+    def write(f):
+        f.write(head.SerializeToString())
+        for h in state.history:
+            pieces = _blob_chunks(np.asarray(h))
+            f.write(_key(STATE_HISTORY, 2) + _encode_varint(sum(len(p) for p in pieces)))
+            for p in pieces:
+                f.write(p)
+        f.write(tail.SerializeToString())
+
+    atomic_write(path, write)
+
+
+def read_binary(path):
+    with open(path, "rb") as f:
+        buf = f.read()
+    rest = bytearray()
+    history = []
+    msg = caffe_pb2.SolverState()
+    try:
+        for number, wire, _value, s, e, fstart in _fields(buf, 0, len(buf)):
+            if number == STATE_HISTORY and wire == 2:
+                history.append(decode_blob(buf, s, e))
+            else:
+                rest += buf[s:e] if wire == 0 else buf[fstart:e]
+        msg.ParseFromString(bytes(rest))
+    except (_Truncated, DecodeError):
+        raise SolverError("cannot decode as a binary SolverState (truncated or not a "
+                          "solverstate)", path=path) from None
+    return SolverStateData(
+        iter=msg.iter,
+        learned_net=msg.learned_net if msg.HasField("learned_net") else None,
+        current_step=msg.current_step,
+        history=history,
+        data_position=list(msg.data_position),
+        rng_state=msg.rng_state if msg.HasField("rng_state") else None)
+
+
+# ------------------------------------------------------------------------------- HDF5
+def _write_h5_string(h5file, name, text):
+    """A scalar fixed-length, NUL-terminated string dataset, as HDF5's H5LTmake_dataset_string
+    (Caffe's hdf5_save_string) writes it."""
+    import h5py
+    raw = text.encode("utf-8")
+    tid = h5py.h5t.C_S1.copy()
+    tid.set_size(len(raw) + 1)
+    tid.set_strpad(h5py.h5t.STR_NULLTERM)
+    space = h5py.h5s.create(h5py.h5s.SCALAR)
+    ds = h5py.h5d.create(h5file.id, name.encode(), tid, space)
+    ds.write(h5py.h5s.ALL, h5py.h5s.ALL, np.array(raw + b"\0", dtype=f"S{len(raw) + 1}"))
+
+
+def _read_h5_string(dataset):
+    value = dataset[()]
+    if isinstance(value, np.ndarray):
+        value = value.reshape(-1)[0]
+    if isinstance(value, bytes):
+        value = value.split(b"\0", 1)[0].decode("utf-8")
+    return str(value)
+
+
+def write_hdf5(path, state):
+    """Caffe's SnapshotSolverStateToHDF5 layout: int datasets `iter` and `current_step` (shape
+    (1,)), string `learned_net`, group `history` with datasets "0", "1", ...; plus our extras."""
+    import h5py
+
+    def write(tmp):
+        with h5py.File(tmp, "w") as f:
+            f.create_dataset("iter", data=np.array([state.iter], np.int32))
+            if state.learned_net is not None:
+                _write_h5_string(f, "learned_net", state.learned_net)
+            f.create_dataset("current_step", data=np.array([state.current_step], np.int32))
+            g = f.create_group("history")
+            for i, h in enumerate(state.history):
+                g.create_dataset(str(i), data=np.asarray(h, np.float32))
+            if state.data_position:
+                f.create_dataset("data_position", data=np.asarray(state.data_position, np.int64))
+            if state.rng_state is not None:
+                _write_h5_string(f, "rng_state", state.rng_state.decode("utf-8"))
+
+    atomic_write(path, write, binary=False)
+
+
+def read_hdf5(path):
+    import h5py
+    try:
+        with h5py.File(path, "r") as f:
+            if "iter" not in f or "history" not in f:
+                raise SolverError('not a Caffe HDF5 solver state (needs "iter" and "history")',
+                                  path=path)
+            out = SolverStateData(iter=int(np.asarray(f["iter"]).reshape(-1)[0]))
+            if "learned_net" in f:
+                out.learned_net = _read_h5_string(f["learned_net"])
+            if "current_step" in f:
+                out.current_step = int(np.asarray(f["current_step"]).reshape(-1)[0])
+            hist = f["history"]
+            for i in range(len(hist)):
+                if str(i) not in hist:
+                    raise SolverError(f'history group lacks dataset "{i}"', path=path)
+                arr = np.asarray(hist[str(i)])
+                out.history.append((arr.reshape(-1), arr.shape, None))
+            if "data_position" in f:
+                out.data_position = [int(v) for v in np.asarray(f["data_position"]).reshape(-1)]
+            if "rng_state" in f:
+                out.rng_state = _read_h5_string(f["rng_state"]).encode("utf-8")
+            return out
+    except OSError as e:
+        raise SolverError(f"cannot read HDF5 solver state: {e}", path=path) from None
+
+
+def is_hdf5_name(path):
+    """Caffe picks the format of a state file by its name: `.h5` means HDF5."""
+    return os.fspath(path).endswith(".h5")
+
+
+def read_solverstate(path):
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise MissingFileError(path, "solver state file")
+    return read_hdf5(path) if is_hdf5_name(path) else read_binary(path)
+
+
+def find_learned_net(learned_net, state_path):
+    """The weights file a state names: as written (relative to the working directory, as Caffe
+    opens it), else beside the state file, else its base name beside the state file."""
+    if os.path.exists(learned_net):
+        return learned_net
+    folder = os.path.dirname(os.path.abspath(state_path))
+    for candidate in (os.path.join(folder, learned_net),
+                      os.path.join(folder, os.path.basename(learned_net))):
+        if os.path.exists(candidate):
+            return candidate
+    raise MissingFileError(learned_net, f"weights file named by solver state {state_path}")

@@ -1,0 +1,679 @@
+"""Caffe's Solver: builds the train and test nets from a SolverParameter and runs Caffe's
+training loop (Solver::Step / Solve / TestAll), updates (SGDSolver::ApplyUpdate), snapshots and
+restores, with the same order of operations and the same log lines."""
+import logging
+import math
+import os
+import time
+
+import numpy as np
+from google.protobuf import text_format
+
+from caffepar import common
+from caffepar.errors import SolverError
+from caffepar.graph.net import TEST, TRAIN
+from caffepar.io.weights import save_caffemodel, save_caffemodel_hdf5
+from caffepar.proto import caffe_pb2
+from caffepar.proto.text import read_net_text, read_solver_text
+from caffepar.proto.upgrade import upgrade_solver
+from caffepar.solvers import rules as _rules
+from caffepar.solvers import snapshot as _snap
+from caffepar.solvers.lr_policy import learning_rate
+
+log = logging.getLogger("caffepar")
+
+BINARYPROTO = caffe_pb2.SolverParameter.BINARYPROTO
+HDF5 = caffe_pb2.SolverParameter.HDF5
+
+ACTIONS = ("none", "snapshot", "stop")
+CHUNK = 1 << 18
+"""Elements per step of the update loop: bounds the scratch memory on very large blobs."""
+
+
+def _g(x):
+    """A number as C++'s default ostream prints a float (6 significant digits)."""
+    return f"{float(x):.6g}"
+
+
+def upgrade_solver_param(param, source=None):
+    """Caffe's ReadSolverParamsFromTextFileOrDie after parsing: solver_type -> type, and, for a
+    solver read from a file, UpgradeSnapshotPrefixProperty (unset prefix -> the solver file's
+    path without extension; a directory prefix -> that directory / the file's stem)."""
+    param, notes = upgrade_solver(param, source=source)
+    for note in notes:
+        log.info(note)
+    if source is not None:
+        source = os.fspath(source)
+        if not param.HasField("snapshot_prefix"):
+            param.snapshot_prefix = os.path.splitext(source)[0]
+            log.info("snapshot_prefix was not specified and is set to %s", param.snapshot_prefix)
+        elif os.path.isdir(param.snapshot_prefix):
+            stem = os.path.splitext(os.path.basename(source))[0]
+            param.snapshot_prefix = os.path.join(param.snapshot_prefix, stem)
+            log.info("snapshot_prefix was a directory and is replaced to %s",
+                     param.snapshot_prefix)
+    return param
+
+
+def load_solver_param(path):
+    """A solver prototxt read and upgraded as Caffe reads it."""
+    return upgrade_solver_param(read_solver_text(path), source=path)
+
+
+def _merged_state(phase, *states):
+    """NetState defaults <- the net's own state <- the solver's train/test state, merged as
+    protobuf MergeFrom does (set scalars override, stages accumulate)."""
+    level, stages = 0, []
+    for st in states:
+        if st is None:
+            continue
+        if st.HasField("phase"):
+            phase = st.phase
+        if st.HasField("level"):
+            level = st.level
+        stages.extend(st.stage)
+    return phase, level, tuple(stages)
+
+
+class Solver:
+    """A Caffe solver. Construct from a solver prototxt path or a SolverParameter (with
+    `source` = the file it came from, for Caffe's snapshot_prefix rule and as the fallback
+    folder for relative paths).
+
+    Hooks for drivers: `action_request` (callable -> "none" | "snapshot" | "stop", polled after
+    every iteration and during testing, like Caffe's signal handler: return each request once),
+    `add_callback(fn)` (fn(info) after every iteration), `on_gradients_ready()` (between backward
+    and the update; a data-parallel subclass reduces `net.param_diff` there), `history_rows`."""
+
+    solver_type = None
+
+    def __init__(self, param, source=None, base_dir=None):
+        if isinstance(param, caffe_pb2.SolverParameter):
+            raw = caffe_pb2.SolverParameter()
+            raw.CopyFrom(param)
+        else:
+            source = os.fspath(param)
+            raw = read_solver_text(source)
+        self.source = os.fspath(source) if source is not None else None
+        if base_dir is None and self.source is not None:
+            base_dir = os.path.dirname(os.path.abspath(self.source))
+        self.base_dir = base_dir
+        self.param = upgrade_solver_param(raw, self.source)
+        p = self.param
+        self._type = type(self).solver_type or p.type
+        log.info("Initializing solver from parameters: \n%s",
+                 text_format.MessageToString(p, as_utf8=True))
+        self.rule = _rules.make_rule(self._type, p)
+        if p.average_loss < 1:
+            raise SolverError(f"average_loss must be >= 1, got {p.average_loss}")
+        if p.iter_size < 1:
+            raise SolverError(f"iter_size must be >= 1, got {p.iter_size}")
+        self._check_snapshot_prefix()
+        if p.random_seed >= 0:
+            common.set_random_seed(p.random_seed)
+        self.net = self._init_train_net()
+        self.test_nets = self._init_test_nets()
+        log.info("Solver scaffolding done.")
+        self.iter = 0
+        self.current_step = 0
+        self._init_history()
+        self.action_request = lambda: "none"
+        self.callbacks = []
+        self.pycaffe_callbacks = []
+        self.history_rows = []
+        self.requested_early_exit = False
+        self.smoothed_loss = 0.0
+        self._losses = []
+        self._row = None
+        self.last_lr = None
+        self._wait_seen = {}
+        self._iterations_last = 0
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def type(self):
+        return self._type
+
+    @property
+    def snapshot_prefix(self):
+        return self._resolve_out(self.param.snapshot_prefix)
+
+    @property
+    def lr(self):
+        """pycaffe's SGDSolver.lr: the rate for the current iteration (no state change)."""
+        return learning_rate(self.param, self.iter, self.current_step)[0]
+
+    # ------------------------------------------------------------------ paths
+    def _resolve(self, path):
+        """A path as Caffe opens it (relative to the working directory), else relative to the
+        solver file's folder."""
+        if os.path.isabs(path) or os.path.exists(path) or not self.base_dir:
+            return path
+        alt = os.path.join(self.base_dir, path)
+        return alt if os.path.exists(alt) else path
+
+    def _resolve_out(self, prefix):
+        """A snapshot prefix whose folder is missing here but present beside the solver file
+        is taken from there."""
+        folder = os.path.dirname(prefix)
+        if not folder or os.path.isabs(prefix) or os.path.isdir(folder) or not self.base_dir:
+            return prefix
+        alt = os.path.join(self.base_dir, prefix)
+        return alt if os.path.isdir(os.path.dirname(alt)) else prefix
+
+    def _check_snapshot_prefix(self):
+        p = self.param
+        if not p.snapshot:
+            return
+        if not p.HasField("snapshot_prefix"):
+            raise SolverError("In solver params, snapshot is specified but snapshot_prefix is "
+                              "not", path=self.source)
+        folder = os.path.dirname(self.snapshot_prefix) or "."
+        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise SolverError(f"Cannot write to snapshot prefix '{p.snapshot_prefix}'. Make "
+                              "sure that the directory exists and is writable.", path=self.source)
+
+    # ------------------------------------------------------------------ nets
+    def _make_net(self, source, phase, level, stages):
+        from caffepar.pycaffe import Net
+        return Net(source, phase=phase, level=level, stages=stages)
+
+    def _net_source(self, value):
+        """(what Net takes, the net's own NetState) for a file name or a NetParameter."""
+        if isinstance(value, caffe_pb2.NetParameter):
+            return value, value.state if value.HasField("state") else None
+        path = self._resolve(value)
+        net_param, _ = read_net_text(path)
+        return path, net_param.state if net_param.HasField("state") else None
+
+    def _load_weights(self, net):
+        for model_list in self.param.weights:
+            for name in model_list.split(","):
+                name = name.strip()
+                log.info("Finetuning from %s", name)
+                net.copy_from(self._resolve(name))
+
+    def _init_train_net(self):
+        p = self.param
+        fields = "net, net_param, train_net, train_net_param"
+        count = sum(p.HasField(f) for f in ("net", "net_param", "train_net", "train_net_param"))
+        if count < 1:
+            raise SolverError(f"SolverParameter must specify a train net using one of these "
+                              f"fields: {fields}", path=self.source)
+        if count > 1:
+            raise SolverError(f"SolverParameter must not contain more than one of these fields "
+                              f"specifying a train_net: {fields}", path=self.source)
+        if p.HasField("train_net_param"):
+            log.info("Creating training net specified in train_net_param.")
+            value = p.train_net_param
+        elif p.HasField("train_net"):
+            log.info("Creating training net from train_net file: %s", p.train_net)
+            value = p.train_net
+        elif p.HasField("net_param"):
+            log.info("Creating training net specified in net_param.")
+            value = p.net_param
+        else:
+            log.info("Creating training net from net file: %s", p.net)
+            value = p.net
+        source, own_state = self._net_source(value)
+        phase, level, stages = _merged_state(
+            TRAIN, own_state, p.train_state if p.HasField("train_state") else None)
+        net = self._make_net(source, phase, level, stages)
+        self._load_weights(net)
+        return net
+
+    def _init_test_nets(self):
+        p = self.param
+        generic = p.HasField("net_param") + p.HasField("net")
+        if generic > 1:
+            raise SolverError("Both net_param and net_file may not be specified.",
+                              path=self.source)
+        num_specific = len(p.test_net_param) + len(p.test_net)
+        if generic and len(p.test_iter) < num_specific or \
+                not generic and len(p.test_iter) != num_specific:
+            raise SolverError("test_iter must be specified for each test network.",
+                              path=self.source)
+        instances = num_specific + (len(p.test_iter) - num_specific)
+        if p.test_state and len(p.test_state) != instances:
+            raise SolverError("test_state must be unspecified or specified once per test net.",
+                              path=self.source)
+        if instances and p.test_interval <= 0:
+            raise SolverError("test_interval must be > 0 when there are test nets",
+                              path=self.source)
+        specs = [("test_net_param", v) for v in p.test_net_param]
+        specs += [(f"test_net file: {v}", v) for v in p.test_net]
+        remaining = len(p.test_iter) - len(specs)
+        if p.HasField("net_param"):
+            specs += [("net_param", p.net_param)] * remaining
+        elif p.HasField("net"):
+            specs += [(f"net file: {p.net}", p.net)] * remaining
+        nets = []
+        for i, (what, value) in enumerate(specs):
+            source, own_state = self._net_source(value)
+            phase, level, stages = _merged_state(
+                TEST, own_state, p.test_state[i] if p.test_state else None)
+            log.info("Creating test net (#%d) specified by %s", i, what)
+            net = self._make_net(source, phase, level, stages)
+            self._load_weights(net)
+            net.share_with(self.net)
+            nets.append(net)
+        return nets
+
+    # ------------------------------------------------------------------ history
+    def _init_history(self):
+        """History blobs in Caffe's order: N blobs per history set, sets one after another."""
+        dtype = self.net.param_data.dtype
+        total = self.net.param_data.size
+        self.history_data = [np.zeros(total, dtype) for _ in range(self.rule.num_history)]
+        self.history = []
+        for flat in self.history_data:
+            for blob, offset in zip(self.net.learnable_params, self.net.param_offsets):
+                self.history.append(flat[offset:offset + blob.count].reshape(blob.shape))
+        biggest = max((b.count for b in self.net.learnable_params), default=0)
+        size = min(CHUNK, biggest)
+        self._scratch = [np.empty(size, dtype) for _ in range(max(1, self.rule.num_scratch))]
+
+    # ------------------------------------------------------------------ hooks
+    def add_callback(self, fn, on_gradients_ready=None):
+        """add_callback(fn): fn(info) after every iteration, info = {"iter", "loss",
+        "smoothed_loss", "lr", "seconds", "data_wait", "test"}. add_callback(on_start,
+        on_gradients_ready): pycaffe's form, both called without arguments."""
+        if on_gradients_ready is None:
+            self.callbacks.append(fn)
+        else:
+            self.pycaffe_callbacks.append((fn, on_gradients_ready))
+
+    def on_gradients_ready(self):
+        """Called once the gradients of an iteration are complete, before the update."""
+
+    def requested_action(self):
+        request = self.action_request() if self.action_request else "none"
+        request = str(request or "none").lower()
+        if request not in ACTIONS:
+            raise SolverError(f'action_request returned "{request}"; expected one of '
+                              f"{', '.join(ACTIONS)}")
+        return request
+
+    def _data_wait(self):
+        """Seconds this iteration's data layers spent waiting for their batches."""
+        total = 0.0
+        for layer in self.net.layers:
+            reset = getattr(layer, "reset_data_wait", None)
+            if callable(reset):
+                total += float(reset() or 0.0)
+                continue
+            value = float(getattr(layer, "data_wait_seconds", 0.0) or 0.0)
+            seen = self._wait_seen.get(id(layer), 0.0)
+            total += value - seen if value >= seen else value
+            self._wait_seen[id(layer)] = value
+        return total
+
+    # ------------------------------------------------------------------ training loop
+    def _update_smoothed_loss(self, loss, start_iter, average_loss):
+        f = np.float32
+        if len(self._losses) < average_loss:
+            self._losses.append(f(loss))
+            size = len(self._losses)
+            self.smoothed_loss = f((f(self.smoothed_loss) * (size - 1) + f(loss)) / size)
+        else:
+            idx = (self.iter - start_iter) % average_loss
+            self.smoothed_loss = f(self.smoothed_loss + (f(loss) - self._losses[idx]) / average_loss)
+            self._losses[idx] = f(loss)
+
+    def _forward_backward(self, debug):
+        net = self.net
+        if not debug:
+            loss = net.forward_from_to()
+            net.backward_from_to()
+            return loss
+        loss = 0.0
+        for i, layer in enumerate(net.layers):
+            loss += net.forward_from_to(i, i)
+            for t in net.top_ids[i]:
+                log.info("    [Forward] Layer %s, top blob %s data: %s", layer.name,
+                         net.blob_names[t], _g(np.abs(net.blob_list[t].data).mean()
+                                                if net.blob_list[t].count else 0))
+            for k, b in enumerate(layer.blobs):
+                log.info("    [Forward] Layer %s, param blob %d data: %s", layer.name, k,
+                         _g(np.abs(b.data).mean() if b.count else 0))
+        for i in range(len(net.layers) - 1, -1, -1):
+            if not net.layer_need_backward[i]:
+                continue
+            net.backward_from_to(i, i)
+            layer = net.layers[i]
+            for j, b in enumerate(net.bottom_ids[i]):
+                if net.bottom_need_backward[i][j]:
+                    blob = net.blob_list[b]
+                    log.info("    [Backward] Layer %s, bottom blob %s diff: %s", layer.name,
+                             net.blob_names[b], _g(np.abs(blob.diff).mean() if blob.count else 0))
+            for k, b in enumerate(layer.blobs):
+                if k < len(layer.param_propagate_down) and layer.param_propagate_down[k]:
+                    log.info("    [Backward] Layer %s, param blob %d diff: %s", layer.name, k,
+                             _g(np.abs(b.diff).mean() if b.count else 0))
+        data, diff = net.param_data, net.param_diff
+        log.info("    [Backward] All net params (data, diff): L1 norm = (%s, %s); "
+                 "L2 norm = (%s, %s)", _g(np.abs(data).sum()), _g(np.abs(diff).sum()),
+                 _g(math.sqrt(float(np.dot(data, data)))), _g(math.sqrt(float(np.dot(diff, diff)))))
+        return loss
+
+    def _display_outputs(self):
+        net = self.net
+        index = 0
+        for name in net.outputs:
+            weight = net.blob_loss_weights[name]
+            for v in np.asarray(net.blobs[name].data).reshape(-1):
+                extra = f" (* {_g(weight)} = {_g(np.float32(weight) * v)} loss)" if weight else ""
+                log.info("    Train net output #%d: %s = %s%s", index, name, _g(v), extra)
+                index += 1
+
+    def step(self, iters):
+        """Caffe's Solver::Step: `iters` iterations of test (when due), forward/backward,
+        update and snapshot (when due or requested)."""
+        p = self.param
+        start_iter = self.iter
+        stop_iter = self.iter + int(iters)
+        average_loss = p.average_loss
+        self._losses = []
+        self.smoothed_loss = 0.0
+        timer = time.perf_counter()
+        while self.iter < stop_iter:
+            t0 = time.perf_counter()
+            self._data_wait()
+            self.net.clear_param_diffs()
+            row = {"iter": self.iter}
+            self._row = row
+            if p.test_interval and self.iter % p.test_interval == 0 \
+                    and (self.iter > 0 or p.test_initialization):
+                self.test_all()
+                if self.requested_early_exit:
+                    break
+            for on_start, _ in self.pycaffe_callbacks:
+                on_start()
+            display = bool(p.display) and self.iter % p.display == 0
+            debug = display and p.debug_info
+            loss = np.float32(0)
+            for _ in range(p.iter_size):
+                loss += np.float32(self._forward_backward(debug))
+            loss = np.float32(loss / p.iter_size)
+            self._update_smoothed_loss(loss, start_iter, average_loss)
+            if display:
+                lapse = time.perf_counter() - timer
+                per_s = (self.iter - self._iterations_last) / (lapse if lapse else 1)
+                log.info("Iteration %d (%s iter/s, %ss/%d iters), loss = %s", self.iter,
+                         _g(per_s), _g(lapse), p.display, _g(self.smoothed_loss))
+                timer = time.perf_counter()
+                self._iterations_last = self.iter
+                self._display_outputs()
+            self.on_gradients_ready()
+            for _, on_grads in self.pycaffe_callbacks:
+                on_grads()
+            self.apply_update()
+            row.update(loss=float(loss), smoothed_loss=float(self.smoothed_loss),
+                       lr=self.last_lr, seconds=time.perf_counter() - t0,
+                       data_wait=self._data_wait())
+            self._row = None
+            self.history_rows.append(row)
+            request = self.requested_action()
+            if (p.snapshot and self.iter % p.snapshot == 0) or request == "snapshot":
+                self.snapshot()
+            for fn in self.callbacks:
+                fn(dict(row))
+            if request == "stop":
+                self.requested_early_exit = True
+                break
+
+    def solve(self, resume_file=None):
+        """Caffe's Solver::Solve: optionally restore, train to max_iter, snapshot, then one
+        more forward (when display is due) and a final test (when test_interval is due)."""
+        p = self.param
+        log.info("Solving %s", self.net.name)
+        log.info("Learning Rate Policy: %s", p.lr_policy)
+        self.requested_early_exit = False
+        if resume_file:
+            log.info("Restoring previous solver status from %s", resume_file)
+            self.restore(resume_file)
+        start_iter = self.iter
+        self.step(p.max_iter - self.iter)
+        if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
+            self.snapshot()
+        if self.requested_early_exit:
+            log.info("Optimization stopped early.")
+            return
+        row = {"iter": self.iter}
+        self._row = row
+        if p.display and self.iter % p.display == 0:
+            loss = self.net.forward_from_to()
+            self._update_smoothed_loss(loss, start_iter, p.average_loss)
+            log.info("Iteration %d, loss = %s", self.iter, _g(self.smoothed_loss))
+            row.update(loss=float(loss), smoothed_loss=float(self.smoothed_loss))
+        if p.test_interval and self.iter % p.test_interval == 0:
+            self.test_all()
+        self._row = None
+        if len(row) > 1:
+            self.history_rows.append(row)
+        log.info("Optimization Done.")
+
+    # ------------------------------------------------------------------ testing
+    def test_all(self):
+        """Caffe's TestAll; returns {test net id: {output name: mean}}."""
+        results = {}
+        for i in range(len(self.test_nets)):
+            if self.requested_early_exit:
+                break
+            results[i] = self.test(i)
+        return results
+
+    def test(self, test_net_id=0):
+        """Caffe's Test: test_iter[id] forwards of the test net sharing the train net's weights;
+        each output element averaged over them."""
+        p = self.param
+        log.info("Iteration %d, Testing net (#%d)", self.iter, test_net_id)
+        test_net = self.test_nets[test_net_id]
+        test_net.share_with(self.net)
+        n = p.test_iter[test_net_id]
+        scores = None
+        loss = np.float32(0)
+        for _ in range(n):
+            request = self.requested_action()
+            if request == "snapshot":
+                self.snapshot()
+            elif request == "stop":
+                self.requested_early_exit = True
+            if self.requested_early_exit:
+                break
+            iter_loss = test_net.forward_from_to()
+            if p.test_compute_loss:
+                loss += np.float32(iter_loss)
+            values = [np.asarray(test_net.blobs[name].data, np.float32).reshape(-1)
+                      for name in test_net.outputs]
+            if scores is None:
+                scores = [v.copy() for v in values]
+            else:
+                for s, v in zip(scores, values):
+                    s += v
+        if self.requested_early_exit:
+            log.info("Test interrupted.")
+            return None
+        if p.test_compute_loss:
+            loss = np.float32(loss / n)
+            log.info("Test loss: %s", _g(loss))
+        results = {}
+        index = 0
+        for name, total in zip(test_net.outputs, scores or []):
+            weight = test_net.blob_loss_weights[name]
+            for k, value in enumerate(total):
+                mean = np.float32(value / n)
+                extra = f" (* {_g(weight)} = {_g(np.float32(weight) * mean)} loss)" \
+                    if weight else ""
+                log.info("    Test net output #%d: %s = %s%s", index, name, _g(mean), extra)
+                index += 1
+                key = name if total.size == 1 else f"{name}[{k}]"
+                results[key] = float(mean)
+        if self._row is not None:
+            prefix = "" if test_net_id == 0 else f"{test_net_id}/"
+            self._row.setdefault("test", {}).update(
+                {prefix + k: v for k, v in results.items()})
+        return results
+
+    # ------------------------------------------------------------------ update
+    def apply_update(self):
+        """SGDSolver::ApplyUpdate: rate, clip, then per blob normalize, regularize and the
+        solver's rule, then data -= diff for every blob, then iter += 1."""
+        p = self.param
+        rate, self.current_step = learning_rate(p, self.iter, self.current_step)
+        self.last_lr = rate
+        if p.display and self.iter % p.display == 0:
+            log.info("Iteration %d, lr = %s", self.iter, _g(rate))
+        net = self.net
+        params = net.learnable_params
+        clipped = _rules.clip_gradients([b.diff for b in params], p.clip_gradients)
+        if clipped:
+            norm, scale = clipped
+            log.info("Gradient clipping: scaling down gradients (L2 norm %s > %s) by scale "
+                     "factor %s", _g(norm), _g(p.clip_gradients), _g(scale))
+        f = net.param_data.dtype.type
+        n_sets = self.rule.num_history
+        n_params = len(params)
+        for i, blob in enumerate(params):
+            g = blob.diff.reshape(-1)
+            w = blob.data.reshape(-1)
+            hist = [self.history[s * n_params + i].reshape(-1) for s in range(n_sets)]
+            _rules.normalize(g, p.iter_size)
+            local_decay = f(p.weight_decay) * f(net.decay_mults[i][0])
+            local_rate = f(rate) * f(net.lr_mults[i][0])
+            for start in range(0, g.size, CHUNK):
+                stop = min(start + CHUNK, g.size)
+                scratch = [s[:stop - start] for s in self._scratch]
+                gc = g[start:stop]
+                _rules.regularize(gc, w[start:stop], local_decay, p.regularization_type,
+                                  scratch[0])
+                self.rule.update(gc, [h[start:stop] for h in hist], local_rate, self.iter,
+                                 scratch)
+        for blob in params:
+            blob.data -= blob.diff
+        self.iter += 1
+
+    # ------------------------------------------------------------------ snapshots
+    def snapshot_filename(self, extension):
+        return f"{self.snapshot_prefix}_iter_{self.iter}{extension}"
+
+    def snapshot(self):
+        """Caffe's Snapshot: the weights, then the solver state; both written atomically.
+        Returns (model path, state path)."""
+        p = self.param
+        if p.snapshot_format == HDF5:
+            model = self.snapshot_filename(".caffemodel.h5")
+            log.info("Snapshotting to HDF5 file %s", model)
+            save_caffemodel_hdf5(self.net, model, write_diff=p.snapshot_diff)
+        elif p.snapshot_format == BINARYPROTO:
+            model = self.snapshot_filename(".caffemodel")
+            log.info("Snapshotting to binary proto file %s", model)
+            save_caffemodel(self.net, model, write_diff=p.snapshot_diff)
+        else:
+            raise SolverError("Unsupported snapshot format.")
+        return model, self.snapshot_solver_state(model)
+
+    def _resume_record(self):
+        data, positions = {}, []
+        for layer in self.net.layers:
+            get_state = getattr(layer, "get_state", None)
+            if callable(get_state):
+                state = get_state()
+                data[layer.name] = state
+                if isinstance(state, dict):
+                    pos = state.get("position", state.get("batch"))
+                    if isinstance(pos, int):
+                        positions.append(pos)
+        rng_state = common.rng().bit_generator.state
+        return _snap.encode_resume_state(rng_state, data), positions
+
+    def snapshot_solver_state(self, model_filename):
+        record, positions = self._resume_record()
+        state = _snap.SolverStateData(iter=self.iter, learned_net=model_filename,
+                                      current_step=self.current_step, history=self.history,
+                                      data_position=positions, rng_state=record)
+        if self.param.snapshot_format == HDF5:
+            path = self.snapshot_filename(".solverstate.h5")
+            log.info("Snapshotting solver state to HDF5 file %s", path)
+            _snap.write_hdf5(path, state)
+        else:
+            path = self.snapshot_filename(".solverstate")
+            log.info("Snapshotting solver state to binary proto file %s", path)
+            _snap.write_binary(path, state)
+        return path
+
+    def restore(self, state_file):
+        """Caffe's Restore (format by the `.h5` ending): iter, learned_net's weights,
+        current_step and history. A caffepar state also brings back the RNG and every data
+        layer's position, so the run continues exactly; a Caffe state does not have them and
+        the data layers keep their current position, as in Caffe."""
+        path = os.fspath(state_file)
+        state = _snap.read_solverstate(path)
+        if len(state.history) != len(self.history):
+            raise SolverError(f"Incorrect length of history blobs: the state has "
+                              f"{len(state.history)}, this {self.type} solver keeps "
+                              f"{len(self.history)}", path=path)
+        for i, ((values, shape, legacy), target) in enumerate(zip(state.history, self.history)):
+            if values.size != target.size:
+                raise SolverError(f"history blob {i} has shape {tuple(shape)}, the net's "
+                                  f"parameter has {target.shape}", path=path)
+        self.iter = state.iter
+        if state.learned_net:
+            self.net.copy_from(_snap.find_learned_net(state.learned_net, path))
+        self.current_step = state.current_step
+        log.info("SGDSolver: restoring history")
+        for (values, _shape, _legacy), target in zip(state.history, self.history):
+            target[...] = values.reshape(target.shape)
+        record = state.resume_state()
+        if record is not None:
+            rng_state = record.get("rng")
+            if rng_state is not None:
+                common.rng().bit_generator.state = rng_state
+            for name, layer_state in (record.get("data") or {}).items():
+                layer = self.net.layer_dict.get(name)
+                if layer is not None and callable(getattr(layer, "set_state", None)):
+                    layer.set_state(layer_state)
+        for net in self.test_nets:
+            net.share_with(self.net)
+        return state
+
+
+class SGDSolver(Solver):
+    solver_type = "SGD"
+
+
+class NesterovSolver(SGDSolver):
+    solver_type = "Nesterov"
+
+
+class AdaGradSolver(SGDSolver):
+    solver_type = "AdaGrad"
+
+
+class RMSPropSolver(SGDSolver):
+    solver_type = "RMSProp"
+
+
+class AdaDeltaSolver(SGDSolver):
+    solver_type = "AdaDelta"
+
+
+class AdamSolver(SGDSolver):
+    solver_type = "Adam"
+
+
+SOLVERS = {cls.solver_type: cls for cls in (SGDSolver, NesterovSolver, AdaGradSolver,
+                                            RMSPropSolver, AdaDeltaSolver, AdamSolver)}
+
+
+def get_solver(param, source=None, base_dir=None):
+    """Caffe's SolverRegistry::CreateSolver: the solver class named by the (upgraded) type."""
+    if isinstance(param, caffe_pb2.SolverParameter):
+        type_name = upgrade_solver(param, source=source)[0].type
+    else:
+        type_name = upgrade_solver(read_solver_text(param), source=param)[0].type
+    cls = SOLVERS.get(type_name)
+    if cls is None:
+        raise SolverError(f'unknown solver type "{type_name}"', path=source,
+                          hint=f"known types: {', '.join(SOLVERS)}")
+    return cls(param, source=source, base_dir=base_dir)

@@ -1,0 +1,185 @@
+"""What `caffepar train` and `caffepar test` do around the solver: logging, signals, the CSV of
+per-iteration values, the terminal progress bar, and Caffe's `test` scoring loop."""
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+from caffepar.logs import LOGGER, CsvWriter, setup_logging
+
+
+class SignalActions:
+    """Caffe's --sigint_effect / --sighup_effect: a signal becomes a request the solver polls
+    after each iteration. SIGTERM always means snapshot and stop."""
+
+    def __init__(self, sigint_effect="stop", sighup_effect="snapshot"):
+        self.effects = {signal.SIGINT: sigint_effect, signal.SIGTERM: "stop"}
+        if hasattr(signal, "SIGHUP"):
+            self.effects[signal.SIGHUP] = sighup_effect
+        self.pending = "none"
+        self.stopped_by_signal = False
+        self.previous = {}
+
+    def install(self):
+        for sig in self.effects:
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        effect = self.effects.get(signum, "none")
+        if effect == "none":
+            return
+        if effect == "stop":
+            self.stopped_by_signal = True
+        if self.pending != "stop":
+            self.pending = effect
+        LOGGER.info(f"Signal {signal.Signals(signum).name} received: {effect}")
+
+    def __call__(self):
+        action, self.pending = self.pending, "none"
+        return action
+
+
+class ProgressBar:
+    """A one-line bar on a terminal's stderr, redrawn under the log lines."""
+
+    def __init__(self, total, stream=sys.stderr):
+        self.total = max(total, 1)
+        self.stream = stream
+        self.enabled = stream.isatty()
+        self.line = ""
+
+    def clear(self):
+        if self.enabled and self.line:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+    def draw(self, done, text=""):
+        if not self.enabled:
+            return
+        width = 30
+        filled = int(width * min(done, self.total) / self.total)
+        self.line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {text}"
+        self.stream.write("\r\033[K" + self.line)
+        self.stream.flush()
+
+    def redraw(self):
+        if self.enabled and self.line:
+            self.stream.write(self.line)
+            self.stream.flush()
+
+    def close(self):
+        if self.enabled and self.line:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.line = ""
+
+
+def _hook_bar_into_logging(bar):
+    for handler in LOGGER.handlers:
+        stream = getattr(handler, "stream", None)
+        if stream is bar.stream:
+            emit = handler.emit
+
+            def emit_under_bar(record, _emit=emit):
+                bar.clear()
+                _emit(record)
+                bar.redraw()
+
+            handler.emit = emit_under_bar
+
+
+def _snapshot_exists(solver):
+    stem = f"{solver.snapshot_prefix}_iter_{solver.iter}"
+    return any(os.path.exists(stem + ext) for ext in (".solverstate", ".solverstate.h5"))
+
+
+def run_training(solver_path, weights=None, snapshot=None, iterations=None, level=0, stages=(),
+                 sigint_effect="stop", sighup_effect="snapshot", log_file=None, csv_file=None,
+                 make_solver=None):
+    from caffepar.proto.text import read_solver_text
+    from caffepar.solvers import get_solver
+    setup_logging(log_file)
+    param = read_solver_text(solver_path)
+    if iterations is not None:
+        param.max_iter = iterations
+    param.train_state.level = level
+    param.train_state.stage.extend(stages)
+    solver = (make_solver or get_solver)(param, source=solver_path)
+    if weights:
+        for path in weights.split(","):
+            LOGGER.info(f"Finetuning from {path}")
+            for net in [solver.net] + list(solver.test_nets):
+                net.copy_from(path)
+    csv = CsvWriter(csv_file or f"{solver.snapshot_prefix}_log.csv")
+    start_iter = solver.iter
+    bar = ProgressBar(param.max_iter)
+    _hook_bar_into_logging(bar)
+    waited = {"seconds": 0.0, "data": 0.0}
+    display = param.display
+
+    def on_iteration(info):
+        row = {"iter": info["iter"], "loss": info.get("loss"), "lr": info.get("lr"),
+               "seconds": info.get("seconds"), "data_wait_s": info.get("data_wait")}
+        row.update({f"test/{k}": v for k, v in info.get("test", {}).items()})
+        csv.add(row)
+        waited["seconds"] += info.get("seconds") or 0.0
+        waited["data"] += info.get("data_wait") or 0.0
+        if display and info["iter"] % display == 0 and waited["seconds"] > 0:
+            LOGGER.info(f"    data wait: {waited['data']:.3f} s "
+                        f"({100 * waited['data'] / waited['seconds']:.1f}% of "
+                        f"{waited['seconds']:.2f} s)")
+            waited["seconds"] = waited["data"] = 0.0
+        loss = info.get("loss")
+        bar.draw(info["iter"] + 1, f"loss {loss:.4g}" if loss is not None else "")
+
+    solver.add_callback(on_iteration)
+    actions = SignalActions(sigint_effect, sighup_effect).install()
+    solver.action_request = actions
+    LOGGER.info("Starting Optimization")
+    try:
+        solver.solve(resume_file=snapshot)
+        if actions.stopped_by_signal and not _snapshot_exists(solver):
+            solver.snapshot()
+    finally:
+        actions.restore()
+        bar.close()
+        if csv.rows or start_iter == solver.iter:
+            csv.write()
+    LOGGER.info(f"Wrote per-iteration values to {csv.path}")
+    return solver
+
+
+def run_test(model, weights, iterations, level=0, stages=(), log_file=None):
+    """Caffe's `test`: forward `iterations` batches, print each batch's outputs, then means."""
+    from caffepar.graph.net import TEST, Net
+    setup_logging(log_file)
+    net = Net(model, phase=TEST, level=level, stages=tuple(stages), weights=weights)
+    LOGGER.info(f"Running for {iterations} iterations.")
+    names = list(net.outputs)
+    scores = {n: None for n in names}
+    total_loss = 0.0
+    for i in range(iterations):
+        total_loss += net.forward_from_to()
+        for name in names:
+            values = np.asarray(net.blobs[name].data, np.float64).reshape(-1)
+            scores[name] = values.copy() if scores[name] is None else scores[name] + values
+            for v in values:
+                LOGGER.info(f"Batch {i}, {name} = {v:g}")
+    LOGGER.info(f"Loss: {total_loss / iterations:g}")
+    results = {}
+    for name in names:
+        mean = scores[name] / iterations
+        weight = net.blob_loss_weights.get(name, 0.0)
+        for k, v in enumerate(mean):
+            label = name if len(mean) == 1 else f"{name}[{k}]"
+            extra = f" (* {weight:g} = {weight * v:g} loss)" if weight else ""
+            LOGGER.info(f"{label} = {v:g}{extra}")
+        results[name] = mean
+    return results
