@@ -1,13 +1,13 @@
 """caffepar: Caffe-compatible training in Python. `import caffepar as caffe` gives pycaffe's API."""
 from caffepar import io, proto
-from caffepar.pycaffe import (TEST, TRAIN, Net, layer_type_list, set_device, set_mode_cpu,
+from caffepar.pycaffe import (TEST, TRAIN, Layer, Net, layer_type_list, set_device, set_mode_cpu,
                               set_mode_gpu, set_random_seed)
 from caffepar.pycaffe import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,
                               RMSPropSolver, SGDSolver, Solver, get_solver)
 
 __version__ = "0.1.0"
 
-__all__ = ["Net", "TRAIN", "TEST", "io", "proto", "layer_type_list", "set_mode_cpu",
+__all__ = ["Net", "Layer", "TRAIN", "TEST", "io", "proto", "layer_type_list", "set_mode_cpu",
            "set_mode_gpu", "set_device", "set_random_seed", "__version__",
            "Solver", "SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSPropSolver",
            "AdaDeltaSolver", "AdamSolver", "get_solver"]

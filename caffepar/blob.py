@@ -27,6 +27,15 @@ class Blob:
     def num_axes(self):
         return self.data.ndim
 
+    def legacy_shape(self, index):
+        """Caffe's LegacyShape: axes beyond the blob's count as 1 (num/channels/height/width)."""
+        return self.data.shape[index] if index < self.data.ndim else 1
+
+    num = property(lambda self: self.legacy_shape(0))
+    channels = property(lambda self: self.legacy_shape(1))
+    height = property(lambda self: self.legacy_shape(2))
+    width = property(lambda self: self.legacy_shape(3))
+
     def reshape(self, *shape):
         """Give the blob a new shape; keep the memory when the count allows (as Caffe does)."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):

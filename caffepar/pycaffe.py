@@ -4,6 +4,7 @@ import numpy as np
 from caffepar import common
 from caffepar.errors import NetError
 from caffepar.graph import net as _net
+from caffepar.layers.python_layer import PythonLayerBase as Layer
 
 TRAIN = _net.TRAIN
 TEST = _net.TEST

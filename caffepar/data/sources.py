@@ -43,9 +43,9 @@ def decode_image_bytes(data, color=True):
         return np.asarray(im.convert("L"))
 
 
-def datum_array(datum, color=True):
+def datum_array(datum, color=None):
     """A Datum's image as a CxHxW array: uint8 for raw bytes and encoded images, float32 for
-    float_data."""
+    float_data. Encoded images decode as stored unless color is True (BGR) or False (gray)."""
     if datum.encoded:
         img = decode_image_bytes(datum.data, color)
         return img[None] if img.ndim == 2 else img.transpose(2, 0, 1)
@@ -105,8 +105,8 @@ class _DB:
 
 
 class _Env:
-    """One LMDB environment per path and process (LMDB refuses a second one); closed when the
-    last reader lets go of it."""
+    """One open LMDB environment or LevelDB per path and process (both refuse a second one);
+    closed when the last reader lets go of it."""
 
     def __init__(self, env):
         self.env = env
@@ -188,10 +188,17 @@ def _plyvel():
 class LevelDBSource(_DB):
     def __init__(self, path):
         plyvel = _plyvel()
-        try:
-            self.db = plyvel.DB(path, create_if_missing=False)
-        except Exception as e:
-            raise DataError(f"cannot open LevelDB: {e}", path=path) from None
+        key = "leveldb:" + os.path.realpath(path)
+        with _ENVS_LOCK:
+            holder = _ENVS.get(key)
+            if holder is None:
+                try:
+                    db = plyvel.DB(path, create_if_missing=False)
+                except Exception as e:
+                    raise DataError(f"cannot open LevelDB: {e}", path=path) from None
+                holder = _ENVS[key] = _Env(db)
+        self._holder = holder
+        self.db = holder.env
         super().__init__(path)
 
     def _iter_keys(self):
@@ -216,7 +223,8 @@ class LevelDBSource(_DB):
             yield from it
 
     def close(self):
-        self.db.close()
+        self._local = threading.local()
+        self.db = self._holder = None
 
 
 def open_db(path, backend="lmdb"):
@@ -263,36 +271,38 @@ def read_hdf5_list(path):
         return f.read().split()
 
 
-def _linear_taps(src, dst):
-    """OpenCV INTER_LINEAR source indices and 11-bit fixed-point weights along one axis."""
-    scale = src / dst
-    f = ((np.arange(dst) + 0.5) * scale - 0.5).astype(np.float32)
+def _linear_taps(src, dst, clamp_weights):
+    """OpenCV INTER_LINEAR source indices and 11-bit fixed-point weights along one axis. OpenCV
+    zeroes the weight of an out-of-range tap along x, but along y only clips the row index."""
+    f = ((np.arange(dst) + 0.5) * (src / dst) - 0.5).astype(np.float32)
     i0 = np.floor(f).astype(np.int64)
     f = f - i0
-    low = i0 < 0
-    f[low], i0[low] = 0, 0
-    high = i0 >= src - 1
-    f[high], i0[high] = 0, src - 1
+    if clamp_weights:
+        low = i0 < 0
+        f[low], i0[low] = 0, 0
+        high = i0 >= src - 1
+        f[high], i0[high] = 0, src - 1
     w1 = np.rint(f * 2048).astype(np.int64)
-    return i0, np.minimum(i0 + 1, src - 1), 2048 - w1, w1
+    return np.clip(i0, 0, src - 1), np.clip(i0 + 1, 0, src - 1), 2048 - w1, w1
 
 
 def cv_resize(img, height, width):
-    """cv::resize(INTER_LINEAR) of an HxWxC uint8 image, in OpenCV's fixed-point arithmetic
-    (an exact 2x reduction is a 2x2 average, as OpenCV switches to INTER_AREA there)."""
+    """cv::resize(INTER_LINEAR) of an HxWxC uint8 image in OpenCV's fixed-point arithmetic (as
+    its SIMD code rounds); an exact 2x reduction is a 2x2 average, as OpenCV switches to
+    INTER_AREA there."""
     h, w = img.shape[:2]
     if (h, w) == (height, width):
         return img
+    shape = (height, width) + img.shape[2:]
     if h == 2 * height and w == 2 * width:
         s = img.reshape(height, 2, width, 2, -1).astype(np.int32).sum(axis=(1, 3))
-        return ((s + 2) >> 2).astype(np.uint8).reshape((height, width) + img.shape[2:])
-    y0, y1, a0, a1 = _linear_taps(h, height)
-    x0, x1, b0, b1 = _linear_taps(w, width)
+        return ((s + 2) >> 2).astype(np.uint8).reshape(shape)
+    y0, y1, a0, a1 = _linear_taps(h, height, False)
+    x0, x1, b0, b1 = _linear_taps(w, width, True)
     src = img.reshape(h, w, -1).astype(np.int64)
-    rows = src[:, x0] * b0[None, :, None] + src[:, x1] * b1[None, :, None]
-    out = rows[y0] * a0[:, None, None] + rows[y1] * a1[:, None, None]
-    out = (out + (1 << 21)) >> 22
-    return np.clip(out, 0, 255).astype(np.uint8).reshape((height, width) + img.shape[2:])
+    rows = (src[:, x0] * b0[None, :, None] + src[:, x1] * b1[None, :, None]) >> 4
+    out = ((rows[y0] * a0[:, None, None]) >> 16) + ((rows[y1] * a1[:, None, None]) >> 16)
+    return np.clip((out + 2) >> 2, 0, 255).astype(np.uint8).reshape(shape)
 
 
 def read_image(path, height=0, width=0, color=True):

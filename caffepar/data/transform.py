@@ -97,28 +97,28 @@ class DataTransformer:
         oc, oh, ow = self.output_shape(c, h, w)
         mirror, h_off, w_off = self.draw(n, h, w, rng)
         self._check_mean(c, h, w)
-        plain = not self.crop and not mirror.any()
-        if plain:
-            x = images.astype(self.dtype, copy=False)
-            mean = self.mean
-        else:
-            rows = h_off[:, None] + np.arange(oh)
-            cols = w_off[:, None] + np.arange(ow)
-            cols = np.where(mirror[:, None], cols[:, ::-1], cols)
-            ci = np.arange(c)[None, :, None, None]
-            ri = rows[:, None, :, None]
-            wi = cols[:, None, None, :]
-            x = images[np.arange(n)[:, None, None, None], ci, ri, wi].astype(self.dtype,
-                                                                             copy=False)
-            mean = self.mean[ci, ri, wi] if self.mean is not None else None
         if out is None:
             out = np.empty((n, oc, oh, ow), self.dtype)
-        if mean is not None:
-            np.subtract(x, mean, out=out)
-        elif self.mean_values is not None:
-            np.subtract(x, self._channel_means(c)[:, None, None], out=out)
+        sub = self._channel_means(c)[:, None, None] if self.mean_values is not None else None
+        if not self.crop and not mirror.any():
+            if self.mean is not None:
+                sub = self.mean
+            np.subtract(images, sub, out=out, dtype=self.dtype) if sub is not None \
+                else np.copyto(out, images, casting="unsafe")
         else:
-            out[...] = x
+            # One strided view per item: cheaper than a fancy-index gather over the batch.
+            for i in range(n):
+                rows = slice(h_off[i], h_off[i] + oh)
+                cols = slice(w_off[i], w_off[i] + ow)
+                src = images[i, :, rows, cols]
+                m = self.mean[:, rows, cols] if self.mean is not None else sub
+                if mirror[i]:
+                    src = src[:, :, ::-1]
+                    m = m[:, :, ::-1] if self.mean is not None else m
+                if m is None:
+                    np.copyto(out[i], src, casting="unsafe")
+                else:
+                    np.subtract(src, m, out=out[i], dtype=self.dtype)
         if self.scale != 1:
             out *= self.scale
         return out

@@ -1,0 +1,70 @@
+"""Caffe's `Python` layer: a user class (pycaffe's `caffe.Layer` subclass) named by
+python_param { module layer param_str }, called with Caffe's setup/reshape/forward/backward."""
+import importlib
+import sys
+
+from caffepar.layers.base import Layer, register
+
+
+class PythonLayerBase:
+    """What user layers subclass as `caffe.Layer`; caffepar fills in `param_str`, `phase`,
+    `blobs` before calling `setup`."""
+
+    def setup(self, bottom, top):
+        pass
+
+    def reshape(self, bottom, top):
+        pass
+
+    def forward(self, bottom, top):
+        pass
+
+    def backward(self, top, propagate_down, bottom):
+        pass
+
+
+def _import_user_module(name):
+    """Import a user's layer module; modules written for pycaffe do `import caffe`, so when no
+    real Caffe is installed that name is given caffepar."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != "caffe" or "caffe" in sys.modules:
+            raise
+    import caffepar
+    sys.modules["caffe"] = caffepar
+    return importlib.import_module(name)
+
+
+@register("Python")
+class PythonLayer(Layer):
+    def layer_setup(self, bottom, top):
+        p = self.param.python_param
+        if not p.module or not p.layer:
+            raise self.error("python_param needs both module and layer")
+        folder = getattr(self, "net_dir", None)
+        if folder and folder not in sys.path:
+            sys.path.append(folder)
+        try:
+            module = _import_user_module(p.module)
+        except ImportError as e:
+            raise self.error(f'cannot import python module "{p.module}": {e}') from None
+        cls = getattr(module, p.layer, None)
+        if cls is None:
+            raise self.error(f'module "{p.module}" has no class "{p.layer}"')
+        self.user = cls()
+        self.user.param_str = p.param_str
+        self.user.phase = self.phase
+        self.user.blobs = self.blobs
+        self.user.setup(bottom, top)
+
+    def reshape(self, bottom, top):
+        self.user.reshape(bottom, top)
+
+    def forward(self, bottom, top):
+        self.user.blobs = self.blobs
+        self.user.forward(bottom, top)
+
+    def backward(self, top, propagate_down, bottom):
+        self.user.blobs = self.blobs
+        self.user.backward(top, propagate_down, bottom)
