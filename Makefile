@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test proto bench clean
+.PHONY: demo time test proto bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -12,8 +12,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-## The main job on a bundled default: time cifar10_quick's layers, forward and backward.
-demo: $(STAMP)
+SAMPLE := data/cifar10_sample
+
+## The main job on a bundled default: unpack the bundled CIFAR-10 sample (5000 train + 1000 test
+## JPEGs), convert it to LMDB, compute its mean, train cifar10_quick for 500 iterations and test.
+demo: $(STAMP) $(SAMPLE)/mean.binaryproto
+	$(VENV)/bin/caffepar train --solver models/cifar10_quick/solver_sample.prototxt
+
+$(SAMPLE)/mean.binaryproto: samples/cifar10/cifar10_sample.tar.xz | $(STAMP)
+	rm -rf $(SAMPLE) && mkdir -p $(SAMPLE)
+	$(PY) -c "import tarfile; tarfile.open('$<').extractall('$(SAMPLE)/images', filter='data')"
+	$(VENV)/bin/caffepar data imageset $(SAMPLE)/images samples/cifar10/train.txt $(SAMPLE)/train_lmdb
+	$(VENV)/bin/caffepar data imageset $(SAMPLE)/images samples/cifar10/test.txt $(SAMPLE)/test_lmdb
+	$(VENV)/bin/caffepar data mean $(SAMPLE)/train_lmdb $@
+
+## Time the bundled models' layers, as `caffe time`.
+time: $(STAMP)
 	$(VENV)/bin/caffepar time --model models/cifar10_quick/train_val_dummy.prototxt --iterations 10
 
 ## The whole test suite (gradient checks, Caffe goldens, real models, CLI, MPI).

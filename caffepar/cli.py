@@ -137,8 +137,21 @@ def data_cifar10(src, dst):
 @click.argument("dst", type=click.Path(file_okay=False))
 def data_mnist(src, dst):
     """MNIST idx files in SRC (.gz accepted) -> DST/mnist_{train,test}_lmdb (convert_mnist_data)."""
-    from caffepar.data.tools import convert_mnist_dir
-    convert_mnist_dir(src, dst)
+    from caffepar.data.tools import convert_mnist
+    from caffepar.errors import MissingFileError
+    os.makedirs(dst, exist_ok=True)
+    for split, stem in (("train", "train"), ("test", "t10k")):
+        found = {}
+        for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"):
+            for name in (f"{stem}-{kind}", f"{stem}-{kind}.gz", f"{stem}-{kind}".replace("-idx", ".idx")):
+                if os.path.exists(os.path.join(src, name)):
+                    found[kind] = os.path.join(src, name)
+                    break
+            else:
+                raise MissingFileError(os.path.join(src, f"{stem}-{kind}[.gz]"), "MNIST file")
+        n = convert_mnist(found["images-idx3-ubyte"], found["labels-idx1-ubyte"],
+                          os.path.join(dst, f"mnist_{split}_lmdb"))
+        click.echo(f"mnist_{split}_lmdb: {n} records")
 
 
 @data_group.command("imageset")
@@ -169,6 +182,32 @@ def data_mean(db, out, backend):
     """Mean image of DB as a BlobProto (compute_image_mean)."""
     from caffepar.data.tools import compute_image_mean
     compute_image_mean(db, out, backend=backend)
+
+
+@cli.command("plan")
+@click.option("--model", required=True, type=click.Path(dir_okay=False))
+@click.option("--np", "ranks", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Number of ranks to plan for.")
+@click.option("--parallel", "default", default="hybrid", show_default=True,
+              type=click.Choice(["data", "hybrid"]),
+              help="Default mode of layers without parallel_mode.")
+@click.option("--model-parallel", "model_parallel", default="",
+              help="Comma-separated InnerProduct layers to run MODEL whatever the default.")
+@click.option("--mp-threshold", default=None, type=click.IntRange(min=0),
+              help="Parameter count above which hybrid runs an InnerProduct MODEL.")
+@click.option("--phase", type=click.Choice(["TRAIN", "TEST"], case_sensitive=False),
+              default="TRAIN", show_default=True)
+def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase):
+    """Print each parameterised layer's parallel mode and why."""
+    from caffepar.graph.net import Net
+    from caffepar.parallel.plan import DEFAULT_THRESHOLD, format_plan, make_plan
+    net = Net(model, phase=_phase(phase))
+    names = [n for n in model_parallel.split(",") if n]
+    plans = make_plan(net, default, names, DEFAULT_THRESHOLD if mp_threshold is None
+                      else mp_threshold, net.source_map)
+    batch = next((b.shape[0] for n, b in net.blobs.items() if n in net.inputs or n == "data"),
+                 None)
+    click.echo(format_plan(plans, ranks, batch))
 
 
 def _warn_gpu(gpu):

@@ -342,3 +342,86 @@ def test_output_shape_and_errors():
         cm.conv_forward(x, np.zeros((4, 3, 5, 5)), None, (1, 1), (0, 0), (1, 1), 1)
     with pytest.raises(ValueError):
         cm.conv_forward(x, np.zeros((4, 2, 1, 1)), None, (1, 1), (0, 0), (1, 1), 1)
+
+
+BAND_CASES = [
+    case(3, 3, (7, 9), 4, 3, 1, 1),
+    case(2, 5, (9, 8), 4, (3, 2), (1, 2), (2, 1), (2, 1)),
+    case(3, 16, (6, 6), 5, 5, 1, 2),
+    case(2, 4, (5, 11), 3, (2, 3), (1, 3), (0, 2), (1, 1)),
+    case(2, 8, (4, 4), 3, 3, 1, 3),                # over-padded: col2im dx
+]
+
+
+@pytest.mark.parametrize("cs", BAND_CASES, ids=ids)
+@pytest.mark.parametrize("fold_all", [True, False])
+@pytest.mark.parametrize("blocks", ["one row", "row bands", "image batches", "whole"])
+def test_band_folds_and_blocks(cs, fold_all, blocks, monkeypatch):
+    """Full and per-column-tap folding, image batches and row bands with halo."""
+    monkeypatch.setattr(cm, "BAND_FOLD_ALL", 1 << 30 if fold_all else 1)
+    monkeypatch.setattr(cm, "FLIP_MIN_CHANNELS", 1)
+    x, w, b, dy = make(cs)
+    args = cs[5:]
+    g = cm._Geom(x.shape[2:], w.shape[2:], *args[:3])
+    assert cm._use_band(g, args[3]) and cm._use_cols(g, w.shape[1], w.shape[0], args[3])
+    plan = cm._BandPlan(g, x.shape[0], x.shape[1], 8)
+    row = plan.k * plan.wo * 8
+    budget = {"one row": 1, "row bands": (2 + plan.halo) * row,
+              "image batches": 2 * (g.out[0] + plan.halo) * row, "whole": 1 << 30}[blocks]
+    monkeypatch.setattr(cm, "BAND_BYTES", budget)
+    plan = cm._BandPlan(g, x.shape[0], x.shape[1], 8)
+    assert plan.fold_all == fold_all
+    assert (plan.nb, plan.rows) == {"one row": (1, 1), "row bands": (1, 2),
+                                    "image batches": (2, g.out[0]),
+                                    "whole": (x.shape[0], g.out[0])}[blocks]
+    close(cm.conv_forward(x, w, b, *args), ref_conv(x, w, b, *args), 1e-10)
+    for got, want in zip(cm.conv_backward(dy, x, w, *args), ref_conv_grads(dy, x, w, *args)):
+        close(got, want, 1e-10)
+
+
+@pytest.mark.parametrize("cs", [CASES[i] for i in (1, 4, 15, 19, 29)], ids=ids)
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "float64-into-float32"])
+def test_out_arguments(cs, layout):
+    """out= and dx_out= receive the result, whatever their layout and dtype."""
+    x, w, b, dy = make(cs, dtype=np.float32)
+    args = cs[5:]
+    want_y = cm.conv_forward(x, w, b, *args)
+    want = cm.conv_backward(dy, x, w, *args)
+
+    def target(shape):
+        if layout == "contiguous":
+            return np.full(shape, np.nan, np.float32)
+        if layout == "strided":
+            return np.full(shape[:-1] + (2 * shape[-1],), np.nan, np.float32)[..., ::2]
+        return np.full(shape, np.nan, np.float64)
+
+    y = target(want_y.shape)
+    assert cm.conv_forward(x, w, b, *args, out=y) is y
+    close(y, want_y, 1e-6)
+    dx = target(x.shape)
+    got = cm.conv_backward(dy, x, w, *args, dx_out=dx)
+    assert got[0] is dx
+    close(dx, want[0], 1e-6)
+    close(got[1], want[1], 1e-6)
+    with pytest.raises(ValueError):
+        cm.conv_forward(x, w, b, *args, out=np.empty(want_y.shape[:-1] + (want_y.shape[-1] + 1,)))
+
+
+@pytest.mark.parametrize("cs", DECONV_CASES[:3], ids=ids)
+def test_deconv_out_arguments(cs):
+    n, cin, sp, cout, k, stride, pad, dil, group = cs
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((n, cin) + sp)
+    w = rng.standard_normal((cin, cout // group) + k)
+    b = rng.standard_normal(cout)
+    args = (stride, pad, dil, group)
+    want = cm.deconv_forward(x, w, b, *args)
+    y = np.full(want.shape, np.nan)
+    assert cm.deconv_forward(x, w, b, *args, out=y) is y
+    close(y, want, 1e-12)
+    dy = rng.standard_normal(want.shape)
+    ref = cm.deconv_backward(dy, x, w, *args)
+    dx = np.full(x.shape, np.nan)
+    got = cm.deconv_backward(dy, x, w, *args, dx_out=dx)
+    assert got[0] is dx
+    close(dx, ref[0], 1e-12)

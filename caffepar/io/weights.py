@@ -257,16 +257,20 @@ def copy_weights_into(net, path, strict_names=False):
             raise WeightsError(f'layer "{name}": the caffemodel has {len(blobs)} blob(s), the '
                                f"net expects {len(layer.blobs)}", path=model.path)
         for j, ((values, shape, legacy), target) in enumerate(zip(blobs, layer.blobs)):
-            ok = tuple(shape) == target.shape
-            if not ok and legacy is not None and target.num_axes <= 4:
-                ok = legacy == (1,) * (4 - target.num_axes) + target.shape
-            if not ok or values.size != target.count:
+            full = layer.full_shape(j) if hasattr(layer, "full_shape") else target.shape
+            ok = tuple(shape) == full
+            if not ok and legacy is not None and len(full) <= 4:
+                ok = legacy == (1,) * (4 - len(full)) + full
+            if not ok or values.size != int(np.prod(full)):
                 raise WeightsError(
                     f'layer "{name}" param {j}: shape mismatch, the caffemodel has '
-                    f"{_shape_str(shape)}, the net expects {target.shape_string()}",
+                    f"{_shape_str(shape)}, the net expects {_shape_str(full)}",
                     path=model.path,
                     hint="rename the layer to learn it from scratch instead of copying it")
-            target.data[...] = values.reshape(target.shape)
+            values = values.reshape(full)
+            if hasattr(layer, "local_part"):
+                values = layer.local_part(j, values)
+            target.data[...] = values
         copied.append(name)
     return copied
 
@@ -310,9 +314,10 @@ def _blob_chunks(data, diff=None):
     return pieces
 
 
-def iter_net_chunks(net, write_diff=False):
+def iter_net_chunks(net, write_diff=False, blob_arrays=None):
     """Caffe's Net::ToProto, serialized piece by piece so that no copy of the weights is made:
-    every layer's parameter followed by its blobs."""
+    every layer's parameter followed by its blobs. `blob_arrays(layer)` may supply the arrays
+    (a model-parallel run passes the gathered full-size ones)."""
     head = caffe_pb2.NetParameter()
     head.name = net.name
     yield head.SerializeToString()
@@ -321,8 +326,9 @@ def iter_net_chunks(net, write_diff=False):
         lp.CopyFrom(layer.param)
         del lp.blobs[:]
         pieces = [lp.SerializeToString()]
-        for b in layer.blobs:
-            blob = _blob_chunks(b.data, b.diff if write_diff else None)
+        arrays = blob_arrays(layer) if blob_arrays else [(b.data, b.diff) for b in layer.blobs]
+        for data, diff in arrays:
+            blob = _blob_chunks(data, diff if write_diff else None)
             size = sum(len(p) for p in blob)
             pieces += [_key(LAYER_BLOBS, 2) + _encode_varint(size)] + blob
         size = sum(len(p) for p in pieces)
@@ -363,15 +369,15 @@ def atomic_write(path, writer, binary=True):
         raise
 
 
-def save_caffemodel(net, path, write_diff=False):
+def save_caffemodel(net, path, write_diff=False, blob_arrays=None):
     def write(f):
-        for chunk in iter_net_chunks(net, write_diff):
+        for chunk in iter_net_chunks(net, write_diff, blob_arrays):
             f.write(chunk)
 
     atomic_write(path, write)
 
 
-def save_caffemodel_hdf5(net, path, write_diff=False):
+def save_caffemodel_hdf5(net, path, write_diff=False, blob_arrays=None):
     """Caffe's HDF5 snapshot layout: data/<layer>/<blob index> (and diff/... when asked)."""
     import h5py
 
@@ -383,7 +389,10 @@ def save_caffemodel_hdf5(net, path, write_diff=False):
                 for layer in net.layers:
                     if layer.blobs:
                         g = group.create_group(layer.name)
-                        for i, b in enumerate(layer.blobs):
-                            g.create_dataset(str(i), data=np.asarray(getattr(b, attr), np.float32))
+                        arrays = blob_arrays(layer) if blob_arrays else \
+                            [(b.data, b.diff) for b in layer.blobs]
+                        for i, pair in enumerate(arrays):
+                            g.create_dataset(str(i), data=np.asarray(pair[attr == "diff"],
+                                                                     np.float32))
 
     atomic_write(path, write, binary=False)

@@ -68,6 +68,10 @@ COLS_DIRECT_MIN = 4096
 COLS_SHORT_ROW = 32
 #: 1x1 unpadded stride-1 convs on images this large are one GEMM per image.
 POINTWISE_DIRECT_MIN = 1024
+#: Band im2col: layers with Cg * kw below this fold all taps into one GEMM.
+BAND_FOLD_ALL = 64
+#: Bound on the band path's column block.
+BAND_BYTES = 4 << 20
 
 
 # --------------------------------------------------------------------------
@@ -591,6 +595,155 @@ def _cols_backward(g, dy, x, w, dx, group, need_dw, need_db, dt):
     return dw, db
 
 
+# --------------------------------------------------------------------------
+# Band im2col for thin 2-D layers (rows x batch x columns layout)
+# --------------------------------------------------------------------------
+
+def _use_band(g, group):
+    """The band layout needs 2-D, one group and unit row stride."""
+    return g.nd == 2 and group == 1 and g.stride[0] == 1
+
+
+class _BandPlan:
+    """Blocking of the band im2col path.
+
+    Columns are laid out (row, image, column) so that every copy into or out
+    of the layout moves whole output rows, and the batch makes the GEMMs long
+    even for 8x8 images. Thin layers (Cg * kw < BAND_FOLD_ALL) fold every
+    tap into the GEMM depth; wider ones fold only the kw column taps, and
+    each of the kh row taps is a GEMM on the same buffer shifted by whole
+    rows (beta=1), which copies kh times less than a full im2col at the same
+    GEMM speed. Blocks hold nb images, or for large images a band of rows
+    plus the kernel's halo, within BAND_BYTES.
+    """
+
+    def __init__(self, g, n, c, isz):
+        kh, kw = g.kernel
+        dh = g.dilation[0]
+        self.fold_all = c * kw < BAND_FOLD_ALL
+        if self.fold_all:
+            self.taps = [(i, j) for i in range(kh) for j in range(kw)]
+            self.shifts = [0]
+            self.halo = 0
+        else:
+            self.taps = [(0, j) for j in range(kw)]
+            self.shifts = [i * dh for i in range(kh)]
+            self.halo = (kh - 1) * dh
+        self.k = len(self.taps) * c
+        ho, wo = g.out
+        row = self.k * wo * isz
+        budget = BAND_BYTES
+        if (ho + self.halo) * row <= budget:
+            self.rows = ho
+            nb = max(1, min(n, budget // ((ho + self.halo) * row)))
+            self.nb = -(-n // -(-n // nb))
+        else:
+            self.nb = 1
+            rows = max(1, min(ho, budget // row - self.halo))
+            self.rows = -(-ho // -(-ho // rows))
+        self.wo = wo
+        self.ncols = (self.rows + self.halo) * self.nb * wo
+
+    def blocks(self, g, n):
+        for n0 in range(0, n, self.nb):
+            for r0 in range(0, g.out[0], self.rows):
+                yield n0, min(self.nb, n - n0), r0, min(self.rows, g.out[0] - r0)
+
+
+def _band_fill(g, plan, x, n0, m, r0, rows, cols):
+    """cols[(tap, c), p, image, col] = zero-padded x under the tap, for
+    padded rows r0 + p (p < rows + halo), images n0 .. n0+m."""
+    c = x.shape[1]
+    h, w = g.in_sp
+    ph, pw = g.pad
+    dh, dw = g.dilation
+    sw = g.stride[1]
+    wo = plan.wo
+    prow = rows + plan.halo
+    v = cols[:, :prow * m * wo].reshape(len(plan.taps), c, prow, m, wo)
+    for t, (i, j) in enumerate(plan.taps):
+        d = v[t]
+        first = r0 + i * dh - ph
+        p_lo, p_hi = max(0, -first), min(prow, h - first)
+        c0 = j * dw - pw
+        w_lo, w_hi = max(0, -(c0 // sw)), min(wo, (w - 1 - c0) // sw + 1)
+        if p_lo >= p_hi or w_lo >= w_hi:
+            d[...] = 0
+            continue
+        d[:, :p_lo] = 0
+        d[:, p_hi:] = 0
+        d[:, p_lo:p_hi, :, :w_lo] = 0
+        d[:, p_lo:p_hi, :, w_hi:] = 0
+        src = x[n0:n0 + m, :, first + p_lo:first + p_hi,
+                c0 + w_lo * sw:c0 + (w_hi - 1) * sw + 1:sw]
+        np.copyto(d[:, p_lo:p_hi, :, w_lo:w_hi], src.transpose(1, 2, 0, 3))
+
+
+def _band_weights(w, plan):
+    """(O, C, kh, kw) -> (shifts, O, K) with K ordered (tap, channel)."""
+    o, c, kh, kw = w.shape
+    wt = w.transpose(0, 2, 3, 1)                      # (O, kh, kw, C)
+    if plan.fold_all:
+        return np.ascontiguousarray(wt).reshape(1, o, kh * kw * c)
+    return np.ascontiguousarray(wt.transpose(1, 0, 2, 3)).reshape(kh, o, kw * c)
+
+
+def _band_dw(dwb, plan, w_shape):
+    o, c, kh, kw = w_shape
+    if plan.fold_all:
+        return np.ascontiguousarray(dwb.reshape(o, kh, kw, c).transpose(0, 3, 1, 2))
+    return np.ascontiguousarray(dwb.reshape(kh, o, kw, c).transpose(1, 3, 0, 2))
+
+
+def _band_forward(g, x, w, bias, y, dt):
+    """y = conv(x, w) + bias through band im2col blocks, written into y."""
+    n = x.shape[0]
+    o = w.shape[0]
+    plan = _BandPlan(g, n, x.shape[1], dt.itemsize)
+    wb = _band_weights(w, plan)
+    cols = _scratch("bcols", (plan.k, plan.ncols), dt)
+    yb = _scratch("bout", (o, plan.rows * plan.nb * plan.wo), dt)
+    bshape = (1, o, 1, 1)
+    for n0, m, r0, rows in plan.blocks(g, n):
+        _band_fill(g, plan, x, n0, m, r0, rows, cols)
+        step = m * plan.wo
+        L = rows * step
+        d = yb[:, :L]
+        for s, sh in enumerate(plan.shifts):
+            _gemm(wb[s], cols[:, sh * step:sh * step + L], d, beta=1.0 if s else 0.0)
+        src = d.reshape(o, rows, m, plan.wo).transpose(2, 0, 1, 3)
+        dst = y[n0:n0 + m, :, r0:r0 + rows]
+        if bias is None:
+            np.copyto(dst, src)
+        else:
+            np.add(src, bias.reshape(bshape), out=dst)
+
+
+def _band_backward(g, dy, x, w, need_db, dt):
+    """(dw, db or None) through the same blocks as _band_forward."""
+    n = x.shape[0]
+    o = w.shape[0]
+    plan = _BandPlan(g, n, x.shape[1], dt.itemsize)
+    cols = _scratch("bcols", (plan.k, plan.ncols), dt)
+    dyb = _scratch("bout", (o, plan.rows * plan.nb * plan.wo), dt)
+    dwb = np.zeros((len(plan.shifts), o, plan.k), dt)
+    db = np.zeros(o, dt) if need_db else None
+    first = True
+    for n0, m, r0, rows in plan.blocks(g, n):
+        _band_fill(g, plan, x, n0, m, r0, rows, cols)
+        step = m * plan.wo
+        L = rows * step
+        d = dyb[:, :L]
+        np.copyto(d.reshape(o, rows, m, plan.wo), dy[n0:n0 + m, :, r0:r0 + rows].transpose(1, 2, 0, 3))
+        for s, sh in enumerate(plan.shifts):
+            _gemm(d, cols[:, sh * step:sh * step + L], dwb[s], trans_b=True,
+                  beta=0.0 if first else 1.0)
+        if need_db:
+            db += d.sum(axis=1)
+        first = False
+    return _band_dw(dwb, plan, w.shape), db
+
+
 def _depthwise_forward(buf, wt, ybuf, offs, L, group, og):
     """One input channel per group: elementwise multiply-adds beat 1-row GEMMs."""
     y = ybuf[:, :L].reshape(group, og, L)
@@ -648,8 +801,34 @@ def _bias_shape(nd):
     return (1, -1) + (1,) * nd
 
 
-def conv_forward(x, w, b, stride, pad, dilation, group):
-    """x (N, C, *S), w (O, C//group, *K), b (O,) or None -> y (N, O, *S_out), C-contiguous."""
+def _target(out, shape, dt, what):
+    """(array to compute into, caller's array to copy to at the end or None).
+
+    Results go straight into ``out`` when it is a C-contiguous array of the
+    result's dtype; otherwise into a temporary copied over once.
+    """
+    if out is None:
+        return np.empty(shape, dt), None
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{what}: out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+    if out.dtype == dt and out.flags.c_contiguous and out.flags.writeable:
+        return out, None
+    return np.empty(shape, dt), out
+
+
+def _deliver(result, final):
+    if final is None:
+        return result
+    final[...] = result
+    return final
+
+
+def conv_forward(x, w, b, stride, pad, dilation, group, out=None):
+    """x (N, C, *S), w (O, C//group, *K), b (O,) or None -> y (N, O, *S_out), C-contiguous.
+
+    With ``out`` (shape (N, O, *S_out)) the result is written there and
+    returned, saving the caller a copy.
+    """
     x = np.asarray(x)
     w = np.asarray(w)
     _check(x, w, group, "conv_forward")
@@ -661,19 +840,28 @@ def conv_forward(x, w, b, stride, pad, dilation, group):
     g = _Geom(x.shape[2:], w.shape[2:], stride, pad, dilation)
     x = x.astype(dt, copy=False)
     w = w.astype(dt, copy=False)
-    og = o // group
-    y = np.empty((n, o) + g.out, dt)
+    y, final = _target(out, (n, o) + g.out, dt, "conv_forward")
     bias = None if b is None else np.asarray(b, dt).reshape(o)
-    if n == 0:
-        return y
+    if n:
+        _conv_forward_into(g, x, w, bias, y, group, dt)
+    return _deliver(y, final)
+
+
+def _conv_forward_into(g, x, w, bias, y, group, dt):
+    n, c = x.shape[:2]
+    o, cg = w.shape[:2]
+    og = o // group
     if _is_pointwise(g) and g.qsize >= POINTWISE_DIRECT_MIN:
         _pointwise_forward(x, w, y, group)
         if bias is not None:
             y += bias.reshape(_bias_shape(g.nd))
-        return y
+        return
     if _use_cols(g, cg, og, group):
-        _cols_forward(g, x, w, bias, y, group, dt)
-        return y
+        if _use_band(g, group) and cg < COLS_MAX_CHANNELS:
+            _band_forward(g, x, w, bias, y, dt)
+        else:
+            _cols_forward(g, x, w, bias, y, group, dt)
+        return
     wt = _tap_weights(w, group)
     per_image = (c * len(g.phases) + o) * g.qsize * dt.itemsize
     nc = _workspace_chunk(per_image, n)
@@ -688,15 +876,15 @@ def conv_forward(x, w, b, stride, pad, dilation, group):
             np.copyto(y[n0:n0 + m], yv)
         else:
             np.add(yv, bias.reshape(_bias_shape(g.nd)), out=y[n0:n0 + m])
-    return y
 
 
 def conv_backward(dy, x, w, stride, pad, dilation, group,
-                  need_dx=True, need_dw=True, need_db=True):
+                  need_dx=True, need_dw=True, need_db=True, dx_out=None):
     """Gradients of conv_forward: (dx or None, dw or None, db or None).
 
     ``x`` is only read for dw; when need_dw is False it may be any object
-    with the input's ``shape``. dw/db are this call's gradient alone.
+    with the input's ``shape``. dw/db are this call's gradient alone. With
+    ``dx_out`` (x's shape) dx is written there and returned.
     """
     dy = np.asarray(dy)
     w = np.asarray(w)
@@ -706,11 +894,11 @@ def conv_backward(dy, x, w, stride, pad, dilation, group,
     dt = _dtype(dy, w, x if need_dw else None)
     return _conv_backward(dy.astype(dt, copy=False), x if need_dw else None, x_shape,
                           w.astype(dt, copy=False), stride, pad, dilation, group,
-                          need_dx, need_dw, need_db, dt)
+                          need_dx, need_dw, need_db, dt, dx_out)
 
 
 def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
-                   need_dx, need_dw, need_db, dt):
+                   need_dx, need_dw, need_db, dt, dx_out=None):
     if len(x_shape) < 3 or w.ndim != len(x_shape):
         raise ValueError(f"conv_backward: expected x (N, C, *S) and w with as many axes, "
                          f"got {x_shape} and {w.shape}")
@@ -728,16 +916,40 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
     if not (need_dx or need_dw or need_db):
         return None, None, None
     use_cols = _use_cols(g, cg, og, group) and n > 0 and (need_dx or need_dw)
-    dx = None
+    dx = final = None
     if need_dx:
-        dx = (np.empty if (g.x_full or use_cols) else np.zeros)(x_shape, dt)
+        dx, final = _target(dx_out, x_shape, dt, "conv_backward")
+        if not (g.x_full or use_cols):
+            dx.fill(0)
+    dx, dw, db = _conv_backward_into(g, dy, x, w, dx, group, need_dw, need_db, dt, use_cols)
+    return (None if dx is None else _deliver(dx, final)), dw, db
+
+
+def _conv_backward_into(g, dy, x, w, dx, group, need_dw, need_db, dt, use_cols):
+    n, c = dx.shape[:2] if dx is not None else (dy.shape[0], w.shape[1] * group)
+    o, cg = w.shape[:2]
+    og = o // group
+    need_dx = dx is not None
     if use_cols:
         dy = np.ascontiguousarray(dy)
+        band = _use_band(g, group) and cg < COLS_MAX_CHANNELS
         gt = _flipped_geom(g) if (need_dx and cg >= FLIP_MIN_CHANNELS) else None
         if gt is not None:
-            _cols_forward(gt, dy, _flipped_weights(w, group), None, dx, group, dt)
-        dw, db = _cols_backward(g, dy, x, w, dx if gt is None else None, group,
-                                need_dw, need_db, dt)
+            if band:
+                _band_forward(gt, dy, _flipped_weights(w, group), None, dx, dt)
+            else:
+                _cols_forward(gt, dy, _flipped_weights(w, group), None, dx, group, dt)
+        if not band:
+            dw, db = _cols_backward(g, dy, x, w, dx if gt is None else None, group,
+                                    need_dw, need_db, dt)
+            return dx, dw, db
+        dw = db = None
+        if need_dw:
+            dw, db = _band_backward(g, dy, x, w, need_db, dt)
+        elif need_db:
+            db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=dt)
+        if need_dx and gt is None:
+            _cols_backward(g, dy, x, w, dx, group, False, False, dt)
         return dx, dw, db
     db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=dt) if need_db else None
     if not (need_dx or need_dw):
@@ -831,8 +1043,11 @@ def _deconv_geom_shape(x_shape, w, stride, pad, dilation, group):
     return (x_shape[0], w.shape[1] * group) + out
 
 
-def deconv_forward(x, w, b, stride, pad, dilation, group):
-    """Caffe Deconvolution: x (N, Cin, *S), w (Cin, Cout//group, *K), b (Cout,)."""
+def deconv_forward(x, w, b, stride, pad, dilation, group, out=None):
+    """Caffe Deconvolution: x (N, Cin, *S), w (Cin, Cout//group, *K), b (Cout,).
+
+    With ``out`` the result is written there and returned.
+    """
     x = np.asarray(x)
     w = np.asarray(w)
     _check(x, w, group, "deconv_forward")
@@ -841,15 +1056,16 @@ def deconv_forward(x, w, b, stride, pad, dilation, group):
                          f"{w.shape[0]}")
     dt = _dtype(x, w, b)
     y_shape = _deconv_geom_shape(x.shape, w, stride, pad, dilation, group)
-    y, _, _ = _conv_backward(x.astype(dt, copy=False), None, y_shape, w.astype(dt, copy=False),
-                             stride, pad, dilation, group, True, False, False, dt)
+    y, final = _target(out, y_shape, dt, "deconv_forward")
+    _conv_backward(x.astype(dt, copy=False), None, y_shape, w.astype(dt, copy=False),
+                   stride, pad, dilation, group, True, False, False, dt, y)
     if b is not None:
         y += np.asarray(b, dt).reshape(_bias_shape(len(y_shape) - 2))
-    return y
+    return _deliver(y, final)
 
 
 def deconv_backward(dy, x, w, stride, pad, dilation, group,
-                    need_dx=True, need_dw=True, need_db=True):
+                    need_dx=True, need_dw=True, need_db=True, dx_out=None):
     """Gradients of deconv_forward: (dx or None, dw or None, db or None)."""
     dy = np.asarray(dy)
     x = np.asarray(x)
@@ -859,7 +1075,8 @@ def deconv_backward(dy, x, w, stride, pad, dilation, group,
     x = x.astype(dt, copy=False)
     w = w.astype(dt, copy=False)
     db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=dt) if need_db else None
-    dx = conv_forward(dy, w, None, stride, pad, dilation, group) if need_dx else None
+    dx = conv_forward(dy, w, None, stride, pad, dilation, group, out=dx_out) \
+        if need_dx else None
     dw = None
     if need_dw:
         _, dw, _ = _conv_backward(x, dy, dy.shape, w, stride, pad, dilation, group,

@@ -5,6 +5,7 @@ from caffepar.layers.base import Layer, register
 from caffepar.proto import caffe_pb2
 
 LRNP = caffe_pb2.LRNParameter
+LRN_BLOCK_BYTES = 1 << 20
 
 
 def window_sum(a, axis, size, out=None):
@@ -27,18 +28,30 @@ def window_sum(a, axis, size, out=None):
     return out
 
 
-def neg_power(s, beta, out):
+def neg_power(s, beta, out, tmp=None):
     """s ** -beta; AlexNet's beta 0.75 through square roots, which is much faster than pow."""
     if beta == 0.75:
         np.sqrt(s, out=out)
-        out *= np.sqrt(out)
+        if tmp is None:
+            tmp = np.empty_like(out)
+        np.sqrt(out, out=tmp)
+        out *= tmp
         np.reciprocal(out, out=out)
     elif beta == 0.5:
         np.sqrt(s, out=out)
         np.reciprocal(out, out=out)
+    elif beta == 1:
+        np.reciprocal(s, out=out)
     else:
         np.power(s, -beta, out=out)
     return out
+
+
+def _image_blocks(n, image_bytes):
+    """Runs of images whose scratch stays in cache; NumPy's per-call cost caps how small."""
+    step = max(1, LRN_BLOCK_BYTES // max(1, image_bytes))
+    for i in range(0, n, step):
+        yield i, min(n, i + step)
 
 
 @register("LRN")
@@ -73,11 +86,7 @@ class LRNLayer(Layer):
         x = bottom[0].data
         y = top[0].data
         if self.region == LRNP.ACROSS_CHANNELS:
-            self.scale = window_sum(np.square(x), 1, self.size)
-            self.scale *= self.alpha / self.size
-            self.scale += self.k
-            neg_power(self.scale, self.beta, y)
-            y *= x
+            self._across_forward(x, y)
         else:
             pooled = window_sum(window_sum(np.square(x), 2, self.size), 3, self.size)
             pooled *= self.alpha / (self.size * self.size)
@@ -86,6 +95,55 @@ class LRNLayer(Layer):
             self.factor = neg_power(pooled, self.beta, np.empty_like(pooled))
             np.multiply(x, self.factor, out=y)
 
+    def _scratch(self, x, count):
+        shape = (max(1, min(len(x), LRN_BLOCK_BYTES // max(1, x[0].nbytes))),) + x.shape[1:]
+        if getattr(self, "_buffers", None) is None or self._buffers[0].shape != shape \
+                or self._buffers[0].dtype != x.dtype or len(self._buffers) < count:
+            self._buffers = [np.empty(shape, x.dtype) for _ in range(count)]
+        return self._buffers
+
+    def _across_forward(self, x, y):
+        """scale = k + alpha/n * window sum of x^2 (kept for backward with scale^-beta), a
+        block of images at a time so the passes run in cache."""
+        if getattr(self, "scale", None) is None or self.scale.shape != x.shape \
+                or self.scale.dtype != x.dtype:
+            self.scale = np.empty_like(x)
+            self.power = np.empty_like(x)
+        sq, tmp = self._scratch(x, 2)[:2]
+        half = (self.size - 1) // 2
+        c = x.shape[1]
+        for i, j in _image_blocks(len(x), x[0].nbytes):
+            xb, sc, pw = x[i:j], self.scale[i:j], self.power[i:j]
+            q = sq[:j - i]
+            np.multiply(xb, xb, out=q)
+            q *= self.alpha / self.size
+            np.add(q, self.k, out=sc)
+            for d in range(1, min(half, c - 1) + 1):
+                sc[:, d:] += q[:, :c - d]
+                sc[:, :c - d] += q[:, d:]
+            neg_power(sc, self.beta, pw, tmp[:j - i])
+            np.multiply(xb, pw, out=y[i:j])
+
+    def _across_backward(self, x, y, dy, dx):
+        """dx = dy scale^-beta - 2 alpha beta / n * x * window sum of dy y / scale."""
+        ratio, acc = self._scratch(x, 2)[:2]
+        half = (self.size - 1) // 2
+        c = x.shape[1]
+        factor = -2.0 * self.alpha * self.beta / self.size
+        for i, j in _image_blocks(len(x), x[0].nbytes):
+            r, a = ratio[:j - i], acc[:j - i]
+            np.multiply(dy[i:j], y[i:j], out=r)
+            r /= self.scale[i:j]
+            np.multiply(r, factor, out=a)
+            if half:
+                r *= factor
+            for d in range(1, min(half, c - 1) + 1):
+                a[:, d:] += r[:, :c - d]
+                a[:, :c - d] += r[:, d:]
+            a *= x[i:j]
+            np.multiply(dy[i:j], self.power[i:j], out=dx[i:j])
+            dx[i:j] += a
+
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
@@ -93,14 +151,7 @@ class LRNLayer(Layer):
         x = bottom[0].data
         dx = bottom[0].diff
         if self.region == LRNP.ACROSS_CHANNELS:
-            ratio = dy * top[0].data
-            ratio /= self.scale
-            acc = window_sum(ratio, 1, self.size)
-            acc *= x
-            acc *= -2.0 * self.alpha * self.beta / self.size
-            neg_power(self.scale, self.beta, dx)
-            dx *= dy
-            dx += acc
+            self._across_backward(x, top[0].data, dy, dx)
         else:
             # d/d(pooled sum): -beta * alpha / n^2 * factor / base, times dy * x
             g = dy * x

@@ -1,7 +1,11 @@
 """Pooling and SPP (spatial pyramid pooling), with Caffe's output-size and window-clipping rules.
 
-The work is done per kernel offset on strided views of a padded copy, so the Python loop runs
-kernel_h * kernel_w times whatever the image size.
+NumPy is fast on long contiguous runs and slow on strided ones, so the input is first split, a
+block of channel planes at a time, into its stride phases (phase (a, b) holds the padded-frame
+cells (a + r * stride_h, b + c * stride_w)). In that layout every kernel offset is one
+contiguous 1-D slice at a fixed offset, and the per-offset loop runs on whole blocks sized to stay
+in cache. Cells a window reaches outside the image hold the fill value (-inf for MAX, 0 for
+AVE), set once when a block buffer is made.
 """
 import math
 
@@ -12,6 +16,7 @@ from caffepar.proto import caffe_pb2
 
 PP = caffe_pb2.PoolingParameter
 NEG_FLT_MAX = -float(np.finfo(np.float32).max)
+BLOCK_BYTES = 1 << 21
 
 
 def pooled_size(size, kernel, pad, stride, ceil_mode=True):
@@ -28,8 +33,15 @@ def _index_dtype(n):
     return np.int8 if n < 127 else np.int16 if n < 32767 else np.int32
 
 
+def _phase_span(a, stride, pad, size, n):
+    """Phase rows [r0, r1) of phase `a` that hold image rows, and the first such image row."""
+    r0 = max(0, -((a - pad) // stride))
+    r1 = max(r0, min(n, (size - 1 + pad - a) // stride + 1))
+    return r0, r1, a + r0 * stride - pad
+
+
 class PoolGeometry:
-    """Kernel, pad, stride and output size along the two spatial axes."""
+    """Kernel, pad, stride and output size along the two spatial axes, and the phase layout."""
 
     def __init__(self, kh, kw, ph, pw, sh, sw, ceil_mode=True):
         self.kh, self.kw, self.ph, self.pw, self.sh, self.sw = kh, kw, ph, pw, sh, sw
@@ -39,32 +51,65 @@ class PoolGeometry:
         self.h, self.w = h, w
         self.oh = pooled_size(h, self.kh, self.ph, self.sh, self.ceil_mode)
         self.ow = pooled_size(w, self.kw, self.pw, self.sw, self.ceil_mode)
-        # Rows/cols of the padded frame that windows reach (may exceed h + 2 pad with ceil).
-        self.fh = max((self.oh - 1) * self.sh + self.kh, h + self.ph)
-        self.fw = max((self.ow - 1) * self.sw + self.kw, w + self.pw)
+        self.rows = self.oh + (self.kh - 1) // self.sh
+        self.cols = self.ow + (self.kw - 1) // self.sw
+        self.span = self.rows * self.cols
+        self.direct = self.rows == self.oh and self.cols == self.ow
+        phases = [(a, b) for a in range(min(self.sh, self.kh)) for b in range(min(self.sw, self.kw))]
+        self.fills = []
+        covered_h = covered_w = 0
+        for a, b in phases:
+            r0, r1, i0 = _phase_span(a, self.sh, self.ph, h, self.rows)
+            c0, c1, j0 = _phase_span(b, self.sw, self.pw, w, self.cols)
+            self.fills.append((slice(r0, r1), slice(c0, c1),
+                               slice(i0, i0 + (r1 - r0 - 1) * self.sh + 1, self.sh),
+                               slice(j0, j0 + (c1 - c0 - 1) * self.sw + 1, self.sw)))
+            covered_h += (r1 - r0) * (b == 0)
+            covered_w += (c1 - c0) * (a == 0)
+        self.covers = covered_h == h and covered_w == w
+        self.taps = [(i * self.kw + j, phases.index((i % self.sh, j % self.sw)),
+                      (i // self.sh) * self.cols + j // self.sw, i < self.sh and j < self.sw)
+                     for i in range(self.kh) for j in range(self.kw)]
+        self.max_offset = max(t[2] for t in self.taps)
+        self.block = max(1, BLOCK_BYTES // (4 * self.span * (len(phases) + 2)))
+        self._buffers = {}
 
-    def frame(self, x, fill):
-        """x (N, C, H, W) placed in a frame starting at (-pad_h, -pad_w), other cells = fill;
-        x itself when no window reaches outside the image (read only)."""
-        if self.fh == self.h and self.fw == self.w:
-            return x
-        f = np.full((x.shape[0], x.shape[1], self.fh, self.fw), fill, x.dtype)
-        f[:, :, self.ph:self.ph + self.h, self.pw:self.pw + self.w] = x
-        return f
+    def buffers(self, kind, dtype, fill):
+        """Per-block scratch, made once: the phases (fill outside the image), then in the padded
+        output layout a float, an index, a boolean mask, and float and index temporaries."""
+        key = (kind, np.dtype(dtype), fill)
+        if key not in self._buffers:
+            shape = (self.block, self.rows, self.cols)
+            index = _index_dtype(self.kh * self.kw)
+            self._buffers[key] = (np.full((len(self.fills),) + shape, fill, dtype),
+                                  np.zeros(shape, dtype), np.zeros(shape, index),
+                                  np.empty(shape, bool), np.empty(shape, dtype),
+                                  np.empty(shape, index))
+        return self._buffers[key]
 
-    def grad_frame(self, dx):
-        """A zeroed frame to scatter gradients into (dx itself when the frame is the image)."""
-        if self.fh == self.h and self.fw == self.w:
-            dx.fill(0)
-            return dx
-        return np.zeros((dx.shape[0], dx.shape[1], self.fh, self.fw), dx.dtype)
+    def blocks(self, n_planes):
+        for p0 in range(0, n_planes, self.block):
+            yield p0, min(n_planes, p0 + self.block)
 
-    def view(self, frame, i, j):
-        return frame[:, :, i:i + (self.oh - 1) * self.sh + 1:self.sh,
-                     j:j + (self.ow - 1) * self.sw + 1:self.sw]
+    def split(self, phases, xb):
+        """Copy a block of image planes into its phases."""
+        for p, (rs, cs, xr, xc) in enumerate(self.fills):
+            phases[p, :len(xb), rs, cs] = xb[:, xr, xc]
 
-    def crop(self, frame):
-        return frame[:, :, self.ph:self.ph + self.h, self.pw:self.pw + self.w]
+    def merge(self, grads, dxb):
+        """Gather phase gradients back into a block of image planes (cells no window reaches
+        get zero)."""
+        if not self.covers:
+            dxb.fill(0)
+        for p, (rs, cs, xr, xc) in enumerate(self.fills):
+            dxb[:, xr, xc] = grads[p, :len(dxb), rs, cs]
+
+    def planes(self, a, h, w):
+        return a.reshape(-1, h, w)
+
+    def compact(self, arg, shape):
+        """The (N, C, OH, OW) view of a padded-layout array."""
+        return arg[:, :self.oh, :self.ow].reshape(shape)
 
     def ave_divisor(self, dtype):
         """Caffe's AVE pool_size: the window clipped to H + pad (padding counts, overhang not)."""
@@ -77,24 +122,47 @@ class PoolGeometry:
 
 
 def max_pool_forward(g, x, out):
-    """Max pooling into `out`; returns the winning kernel offset per output (-1: none).
-    Like Caffe's strict '>' scan from -FLT_MAX: NaNs never win and ties keep the first cell in
-    row-major window order (offsets are marked last to first, so the first one stays)."""
-    frame = g.frame(x, -np.inf)
-    out.fill(NEG_FLT_MAX)
-    for i in range(g.kh):
-        for j in range(g.kw):
-            np.fmax(out, g.view(frame, i, j), out=out)
-    arg = np.full(out.shape, -1, _index_dtype(g.kh * g.kw))
-    hit = np.empty(out.shape, bool)
-    for o in range(g.kh * g.kw - 1, -1, -1):
-        np.equal(g.view(frame, o // g.kw, o % g.kw), out, out=hit)
-        np.putmask(arg, hit, o)
-    return arg
+    """Max pooling into `out`; returns the winning kernel offset per output (-1: none) in the
+    padded (planes, rows, cols) layout that max_pool_backward reads (g.compact gives the
+    (N, C, OH, OW) view). Like Caffe's strict '>' scan from -FLT_MAX: NaNs never win and ties
+    keep the first cell in row-major window order. Offsets grow along the scan, so the last
+    strict improvement is the largest offset that improved: arg = max_k(k * improved_k)."""
+    phases, best, _, hit, _, step = g.buffers("max", x.dtype, -np.inf)
+    x3, y3 = g.planes(x, g.h, g.w), g.planes(out, g.oh, g.ow)
+    args = np.empty((len(x3), g.rows, g.cols), _index_dtype(g.kh * g.kw))
+    flat = phases.reshape(len(phases), -1)
+    for p0, p1 in g.blocks(len(x3)):
+        n = p1 - p0
+        g.split(phases, x3[p0:p1])
+        size = n * g.span - g.max_offset
+        o = y3[p0:p1].reshape(-1) if g.direct else best.reshape(-1)[:size]
+        a = args[p0:p1].reshape(-1)[:size]
+        m, t = hit.reshape(-1)[:size], step.reshape(-1)[:size]
+        if t.dtype == np.int8:
+            t = src = m.view(np.int8)
+        else:
+            src = m
+        for k, p, off, _ in g.taps:
+            v = flat[p, off:off + size]
+            if k == 0:
+                np.fmax(v, NEG_FLT_MAX, out=o)
+                a.fill(0)
+                continue
+            np.greater(v, o, out=m)
+            np.fmax(o, v, out=o)
+            np.multiply(src, t.dtype.type(k), out=t)
+            np.maximum(a, t, out=a)
+        if not g.direct:
+            y3[p0:p1] = best[:n, :g.oh, :g.ow]
+    none = out == NEG_FLT_MAX
+    if none.any():
+        np.copyto(g.compact(args, out.shape), -1, where=none)
+    return args
 
 
 def max_pool_mask(g, arg):
-    """The flat index h * W + w of each winner inside its (unpadded) channel plane, -1 if none."""
+    """The flat index h * W + w of each winner inside its (unpadded) channel plane, -1 if none;
+    `arg` in the (N, C, OH, OW) layout."""
     oi = np.arange(g.oh)[:, None] * g.sh - g.ph
     oj = np.arange(g.ow)[None, :] * g.sw - g.pw
     a = arg.astype(np.int64)
@@ -103,15 +171,30 @@ def max_pool_mask(g, arg):
 
 
 def max_pool_backward(g, arg, dy, dx):
-    frame = g.grad_frame(dx)
-    tmp = np.empty(dy.shape, dx.dtype)
-    for i in range(g.kh):
-        for j in range(g.kw):
-            np.multiply(dy, arg == i * g.kw + j, out=tmp)
-            g.view(frame, i, j)[...] += tmp
-    if frame is not dx:
-        dx[...] = g.crop(frame)
-    none = arg < 0
+    """Route dy to the winners; `arg` as max_pool_forward returned it."""
+    grads, dys, _, hit, tmp, _ = g.buffers("max_grad", dx.dtype, 0)
+    dy3, dx3 = g.planes(dy, g.oh, g.ow), g.planes(dx, g.h, g.w)
+    flat = grads.reshape(len(grads), -1)
+    for p0, p1 in g.blocks(len(dx3)):
+        n = p1 - p0
+        size = n * g.span - g.max_offset
+        if g.direct:
+            d = dy3[p0:p1].reshape(-1)
+        else:
+            dys[:n, :g.oh, :g.ow] = dy3[p0:p1]
+            d = dys.reshape(-1)[:size]
+        a = arg[p0:p1].reshape(-1)[:size]
+        m, t = hit.reshape(-1)[:size], tmp.reshape(-1)[:size]
+        for k, p, off, first in g.taps:
+            np.equal(a, k, out=m)
+            if first:
+                np.multiply(d, m, out=flat[p, :size])
+                flat[p, size:n * g.span] = 0
+            else:
+                np.multiply(d, m, out=t)
+                flat[p, off:off + size] += t
+        g.merge(grads, dx3[p0:p1])
+    none = g.compact(arg, dy.shape) < 0
     if none.any():
         _scatter_unassigned(none, dy, dx)
 
@@ -137,22 +220,40 @@ def max_pool_backward_from_mask(g, mask, dy, dx):
 
 
 def ave_pool_forward(g, x, out):
-    frame = g.frame(x, 0)
-    out.fill(0)
-    for i in range(g.kh):
-        for j in range(g.kw):
-            out += g.view(frame, i, j)
-    out /= g.ave_divisor(out.dtype)
+    phases, total = g.buffers("ave", x.dtype, 0)[:2]
+    x3, y3 = g.planes(x, g.h, g.w), g.planes(out, g.oh, g.ow)
+    flat = phases.reshape(len(phases), -1)
+    divisor = g.ave_divisor(out.dtype)
+    for p0, p1 in g.blocks(len(x3)):
+        n = p1 - p0
+        g.split(phases, x3[p0:p1])
+        size = n * g.span - g.max_offset
+        o = total.reshape(-1)[:size]
+        for k, p, off, _ in g.taps:
+            if k == 0:
+                np.copyto(o, flat[p, off:off + size])
+            else:
+                o += flat[p, off:off + size]
+        np.divide(total[:n, :g.oh, :g.ow], divisor, out=y3[p0:p1])
 
 
 def ave_pool_backward(g, dy, dx):
-    frame = g.grad_frame(dx)
-    scaled = dy / g.ave_divisor(dy.dtype)
-    for i in range(g.kh):
-        for j in range(g.kw):
-            g.view(frame, i, j)[...] += scaled
-    if frame is not dx:
-        dx[...] = g.crop(frame)
+    grads, dys = g.buffers("ave_grad", dx.dtype, 0)[:2]
+    dy3, dx3 = g.planes(dy, g.oh, g.ow), g.planes(dx, g.h, g.w)
+    flat = grads.reshape(len(grads), -1)
+    divisor = g.ave_divisor(dx.dtype)
+    for p0, p1 in g.blocks(len(dx3)):
+        n = p1 - p0
+        np.divide(dy3[p0:p1], divisor, out=dys[:n, :g.oh, :g.ow])
+        size = n * g.span - g.max_offset
+        d = dys.reshape(-1)[:size]
+        for k, p, off, first in g.taps:
+            if first:
+                np.copyto(flat[p, :size], d)
+                flat[p, size:n * g.span] = 0
+            else:
+                flat[p, off:off + size] += d
+        g.merge(grads, dx3[p0:p1])
 
 
 @register("Pooling")
@@ -243,7 +344,8 @@ class PoolingLayer(Layer):
             else:
                 self.arg = max_pool_forward(g, x, y)
             if len(top) > 1:
-                top[1].data[...] = max_pool_mask(g, self.arg)
+                arg = self.arg if self.global_pooling else g.compact(self.arg, y.shape)
+                top[1].data[...] = max_pool_mask(g, arg)
         elif self.global_pooling:
             y.reshape(y.shape[:2])[...] = x.mean(axis=(2, 3))
         else:

@@ -13,8 +13,9 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from caffepar.errors import MissingFileError, SolverError
-from caffepar.io.weights import (_Truncated, _blob_chunks, _encode_varint, _fields, _key,
-                                 atomic_write, decode_blob)
+from caffepar.io.weights import (BLOB_DATA, BLOB_SHAPE, SHAPE_DIM, _Truncated, _encode_varint,
+                                 _fields, _float_payload, _key, _length_delimited, atomic_write,
+                                 decode_blob)
 from caffepar.proto import caffe_pb2
 
 STATE_HISTORY = 3
@@ -39,6 +40,15 @@ class SolverStateData:
             return json.loads(self.rng_state.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
             return None
+
+
+def _blob_chunks(array):
+    """A history BlobProto as pieces in protobuf's field order (data, then shape), so a state
+    without our extensions is byte-for-byte what Caffe's own serializer writes."""
+    payload = _float_payload(array)
+    dims = b"".join(_encode_varint(int(d)) for d in array.shape)
+    shape = _length_delimited(BLOB_SHAPE, _length_delimited(SHAPE_DIM, dims) if dims else b"")
+    return [_key(BLOB_DATA, 2) + _encode_varint(len(payload)), payload, shape]
 
 
 def encode_resume_state(rng_state, data_states):

@@ -113,6 +113,10 @@ class Solver:
             common.set_random_seed(p.random_seed)
         self.net = self._init_train_net()
         self.test_nets = self._init_test_nets()
+        self._initial_data_states = {
+            layer.name: layer.get_state() for layer in self.net.layers
+            if callable(getattr(layer, "get_state", None))
+            and callable(getattr(layer, "set_state", None))}
         log.info("Solver scaffolding done.")
         self.iter = 0
         self.current_step = 0
@@ -605,8 +609,8 @@ class Solver:
     def restore(self, state_file):
         """Caffe's Restore (format by the `.h5` ending): iter, learned_net's weights,
         current_step and history. A caffepar state also brings back the RNG and every data
-        layer's position, so the run continues exactly; a Caffe state does not have them and
-        the data layers keep their current position, as in Caffe."""
+        layer's position, so the run continues exactly; a Caffe state does not have them, so the
+        data layers go back to their first record, as in a Caffe process resuming."""
         path = os.fspath(state_file)
         state = _snap.read_solverstate(path)
         if len(state.history) != len(self.history):
@@ -629,10 +633,13 @@ class Solver:
             rng_state = record.get("rng")
             if rng_state is not None:
                 common.rng().bit_generator.state = rng_state
-            for name, layer_state in (record.get("data") or {}).items():
-                layer = self.net.layer_dict.get(name)
-                if layer is not None and callable(getattr(layer, "set_state", None)):
-                    layer.set_state(layer_state)
+            data_states = record.get("data") or {}
+        else:
+            data_states = self._initial_data_states
+        for name, layer_state in data_states.items():
+            layer = self.net.layer_dict.get(name)
+            if layer is not None and callable(getattr(layer, "set_state", None)):
+                layer.set_state(layer_state)
         for net in self.test_nets:
             net.share_with(self.net)
         return state

@@ -1,0 +1,187 @@
+"""Communicators: the collectives the parallel plan needs, timed and byte-counted per layer.
+
+`LocalComm` is the one-rank group: every collective is the identity, so parallel code runs in an
+ordinary process (and in tests) unchanged. `MpiComm` runs the same calls over mpi4py with
+buffer (uppercase) methods on contiguous NumPy arrays.
+"""
+import os
+import time
+from collections import defaultdict
+
+import numpy as np
+
+
+class CommStats:
+    """Seconds, bytes and calls per (layer, operation); `take()` returns and resets them."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.table = defaultdict(lambda: [0.0, 0, 0])
+
+    def add(self, key, seconds, nbytes):
+        row = self.table[key]
+        row[0] += seconds
+        row[1] += nbytes
+        row[2] += 1
+
+    def total_seconds(self):
+        return sum(r[0] for r in self.table.values())
+
+    def total_bytes(self):
+        return sum(r[1] for r in self.table.values())
+
+    def take(self):
+        out = {k: tuple(v) for k, v in self.table.items()}
+        self.reset()
+        return out
+
+
+class Comm:
+    """Interface shared by LocalComm and MpiComm. `tag` names the layer a call is made for."""
+
+    rank = 0
+    size = 1
+
+    def __init__(self):
+        self.stats = CommStats()
+
+    def _timed(self, tag, op, nbytes, fn):
+        t0 = time.perf_counter()
+        result = fn()
+        self.stats.add((tag, op), time.perf_counter() - t0, nbytes)
+        return result
+
+    # Collectives (overridden by MpiComm). All work in place where the name says so.
+    def allreduce_sum(self, buf, tag=""):
+        return buf
+
+    def allgather(self, send, recv, tag=""):
+        recv[...] = send.reshape(recv.shape)
+        return recv
+
+    def alltoallv(self, send, send_counts, recv, recv_counts, tag=""):
+        recv[...] = send.reshape(recv.shape)
+        return recv
+
+    def reduce_scatter_block(self, send, recv, tag=""):
+        recv[...] = send.reshape(recv.shape)
+        return recv
+
+    def bcast(self, buf, root=0, tag=""):
+        return buf
+
+    def bcast_object(self, obj, root=0):
+        return obj
+
+    def allreduce_scalar(self, value):
+        return value
+
+    def gatherv(self, send, recv, counts, root=0, tag=""):
+        if recv is not None:
+            recv[...] = send.reshape(recv.shape)
+        return recv
+
+    def barrier(self):
+        pass
+
+    def abort(self, code=1):
+        os._exit(code)
+
+
+class LocalComm(Comm):
+    """One rank: every collective is the identity."""
+
+
+class MpiComm(Comm):
+    """Collectives over an mpi4py communicator (COMM_WORLD by default)."""
+
+    def __init__(self, comm=None):
+        super().__init__()
+        from mpi4py import MPI
+        self.MPI = MPI
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+
+    def allreduce_sum(self, buf, tag=""):
+        if self.size == 1 or buf.size == 0:
+            return buf
+        self._timed(tag, "allreduce", buf.nbytes,
+                    lambda: self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM))
+        return buf
+
+    def allgather(self, send, recv, tag=""):
+        if self.size == 1:
+            recv[...] = send.reshape(recv.shape)
+            return recv
+        self._timed(tag, "allgather", recv.nbytes, lambda: self.comm.Allgather(send, recv))
+        return recv
+
+    def alltoallv(self, send, send_counts, recv, recv_counts, tag=""):
+        if self.size == 1:
+            recv[...] = send.reshape(recv.shape)
+            return recv
+        send_displ = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).astype(np.int64)
+        recv_displ = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).astype(np.int64)
+        mpi_type = self.MPI._typedict[send.dtype.char]
+        self._timed(tag, "alltoall", send.nbytes, lambda: self.comm.Alltoallv(
+            [send, (list(send_counts), list(send_displ)), mpi_type],
+            [recv, (list(recv_counts), list(recv_displ)), mpi_type]))
+        return recv
+
+    def reduce_scatter_block(self, send, recv, tag=""):
+        if self.size == 1:
+            recv[...] = send.reshape(recv.shape)
+            return recv
+        self._timed(tag, "reduce_scatter", send.nbytes,
+                    lambda: self.comm.Reduce_scatter_block(send, recv, op=self.MPI.SUM))
+        return recv
+
+    def bcast(self, buf, root=0, tag=""):
+        if self.size == 1:
+            return buf
+        self._timed(tag, "bcast", buf.nbytes, lambda: self.comm.Bcast(buf, root=root))
+        return buf
+
+    def bcast_object(self, obj, root=0):
+        return obj if self.size == 1 else self.comm.bcast(obj, root=root)
+
+    def allreduce_scalar(self, value):
+        return value if self.size == 1 else self.comm.allreduce(value, op=self.MPI.SUM)
+
+    def gatherv(self, send, recv, counts, root=0, tag=""):
+        if self.size == 1:
+            if recv is not None:
+                recv[...] = send.reshape(recv.shape)
+            return recv
+        displ = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        mpi_type = self.MPI._typedict[send.dtype.char]
+        target = [recv, (list(counts), list(displ)), mpi_type] if self.rank == root else None
+        self._timed(tag, "gather", send.nbytes, lambda: self.comm.Gatherv(send, target, root=root))
+        return recv
+
+    def barrier(self):
+        self.comm.Barrier()
+
+    def abort(self, code=1):
+        self.comm.Abort(code)
+
+
+_LAUNCH_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",
+               "PMIX_RANK", "MV2_COMM_WORLD_SIZE", "I_MPI_HYDRA_HOST_FILE")
+
+
+def launched_by_mpi():
+    """True when an MPI launcher (mpiexec, srun with PMI) started this process."""
+    if any(os.environ.get(k) for k in _LAUNCH_ENV):
+        return True
+    return int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in os.environ
+
+
+def world_comm(force=False):
+    """MpiComm over COMM_WORLD when launched by MPI (or forced), else LocalComm."""
+    if force or launched_by_mpi():
+        return MpiComm()
+    return LocalComm()
