@@ -17,6 +17,7 @@ SAMPLE := data/cifar10_sample
 ## The main job on a bundled default: unpack the bundled CIFAR-10 sample (5000 train + 1000 test
 ## JPEGs), convert it to LMDB, compute its mean, train cifar10_quick for 500 iterations and test.
 demo: $(STAMP) $(SAMPLE)/mean.binaryproto
+	mkdir -p snapshots
 	$(VENV)/bin/caffepar train --solver models/cifar10_quick/solver_sample.prototxt
 
 $(SAMPLE)/mean.binaryproto: samples/cifar10/cifar10_sample.tar.xz | $(STAMP)

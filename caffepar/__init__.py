@@ -1,4 +1,5 @@
 """caffepar: Caffe-compatible training in Python. `import caffepar as caffe` gives pycaffe's API."""
+from caffepar import _threads  # noqa: F401  (must run before NumPy loads BLAS)
 from caffepar import io, proto
 from caffepar.pycaffe import (TEST, TRAIN, Layer, Net, layer_type_list, set_device, set_mode_cpu,
                               set_mode_gpu, set_random_seed)

@@ -33,6 +33,7 @@ def cli(ctx, debug):
     """caffepar: train, test and time Caffe models on the CPU."""
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    ctx.obj.setdefault("argv", [])
 
 
 @cli.command("time")
@@ -78,18 +79,45 @@ def time_cmd(model, weights, iterations, phase, level, stage, gpu):
               help="Also write the log (glog format) to this file.")
 @click.option("--csv", "csv_file", default=None, type=click.Path(dir_okay=False),
               help="Per-iteration CSV (default: <snapshot_prefix>_log.csv).")
+@click.option("--np", "ranks", default=None, type=click.IntRange(min=1),
+              help="Run on this many MPI ranks (started with the bundled mpiexec).")
+@click.option("--parallel", "default_mode", default="hybrid", show_default=True,
+              type=click.Choice(["data", "hybrid"]),
+              help="Mode of layers without parallel_mode: all data parallel, or the paper's "
+                   "hybrid (big InnerProducts model parallel).")
+@click.option("--model-parallel", "model_parallel", default="",
+              help="Comma-separated InnerProduct layers to run model parallel.")
+@click.option("--mp-threshold", default=None, type=click.IntRange(min=0),
+              help="Parameter count above which hybrid runs an InnerProduct model parallel.")
+@click.option("--log-all-ranks", is_flag=True, help="Log from every rank, prefixed with it.")
+@click.option("--threads", default=None, type=click.IntRange(min=1),
+              help="BLAS threads per rank (default: cores / ranks).")
+@click.option("--mpiexec", default=None, help="The mpiexec to start ranks with.")
 @click.option("--gpu", default=None, hidden=True)
-def train_cmd(solver, weights, snapshot, iterations, level, stage, sigint_effect, sighup_effect,
-              log_file, csv_file, gpu):
-    """Train a net with a solver, as `caffe train`."""
+@click.pass_context
+def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_effect,
+              sighup_effect, log_file, csv_file, ranks, default_mode, model_parallel,
+              mp_threshold, log_all_ranks, threads, mpiexec, gpu):
+    """Train a net with a solver, as `caffe train`; with --np, over MPI ranks."""
+    from caffepar.parallel.comm import launched_by_mpi, world_comm
+    from caffepar.parallel.plan import DEFAULT_THRESHOLD, Planner
     from caffepar.training import run_training
     _warn_gpu(gpu)
     if weights and snapshot:
         raise click.UsageError("give --weights or --snapshot, not both "
                                "(Caffe: snapshot restores the weights too)")
+    if ranks and ranks > 1 and not launched_by_mpi():
+        from caffepar.parallel.launch import relaunch, strip_option
+        argv = strip_option(ctx.obj["argv"], {"--np", "--mpiexec"})
+        sys.exit(relaunch(ranks, argv, threads, mpiexec))
+    comm = world_comm()
+    ctx.obj["comm"] = comm
+    planner = Planner(default_mode, [n for n in model_parallel.split(",") if n],
+                      DEFAULT_THRESHOLD if mp_threshold is None else mp_threshold)
     run_training(solver, weights=weights, snapshot=snapshot, iterations=iterations,
                  level=level, stages=stage, sigint_effect=sigint_effect,
-                 sighup_effect=sighup_effect, log_file=log_file, csv_file=csv_file)
+                 sighup_effect=sighup_effect, log_file=log_file, csv_file=csv_file,
+                 comm=comm, planner=planner, log_all_ranks=log_all_ranks)
 
 
 @cli.command("test")
@@ -215,11 +243,28 @@ def _warn_gpu(gpu):
         click.echo("warning: caffepar computes on the CPU; -gpu is ignored", err=True)
 
 
+def _abort_other_ranks(obj, message):
+    """In a multi-rank job a failing rank must end the others, not leave them waiting."""
+    comm = obj.get("comm")
+    if comm is not None and comm.size > 1:
+        from caffepar.parallel.launch import abort_all
+        abort_all(comm, message)
+
+
 def main(argv=None):
     argv = normalize_caffe_flags(sys.argv[1:] if argv is None else list(argv))
     debug = "--debug" in argv
+    obj = {"argv": argv}
     try:
-        cli.main(args=argv, prog_name="caffepar", standalone_mode=False)
+        try:
+            cli.main(args=argv, prog_name="caffepar", standalone_mode=False, obj=obj)
+        except (CaffeparError, OSError, MemoryError) as e:
+            _abort_other_ranks(obj, f"caffepar: {e}")
+            raise
+        except Exception:
+            import traceback
+            _abort_other_ranks(obj, traceback.format_exc())
+            raise
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)

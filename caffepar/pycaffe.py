@@ -5,6 +5,8 @@ from caffepar import common
 from caffepar.errors import NetError
 from caffepar.graph import net as _net
 from caffepar.layers.python_layer import PythonLayerBase as Layer
+from caffepar.solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,
+                              RMSPropSolver, SGDSolver, Solver, get_solver)
 
 TRAIN = _net.TRAIN
 TEST = _net.TEST
@@ -12,6 +14,10 @@ set_mode_cpu = common.set_mode_cpu
 set_mode_gpu = common.set_mode_gpu
 set_device = common.set_device
 set_random_seed = common.set_random_seed
+
+__all__ = ["Net", "Layer", "TRAIN", "TEST", "Solver", "SGDSolver", "NesterovSolver",
+           "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver",
+           "layer_type_list", "set_mode_cpu", "set_mode_gpu", "set_device", "set_random_seed"]
 
 
 class Net(_net.Net):
@@ -93,5 +99,3 @@ def layer_type_list():
     return sorted(LAYERS)
 
 
-from caffepar.solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver,  # noqa: E402
-                              NesterovSolver, RMSPropSolver, SGDSolver, Solver, get_solver)

@@ -3,7 +3,6 @@ per-iteration values, the terminal progress bar, and Caffe's `test` scoring loop
 import os
 import signal
 import sys
-import time
 
 import numpy as np
 
@@ -49,10 +48,10 @@ class SignalActions:
 class ProgressBar:
     """A one-line bar on a terminal's stderr, redrawn under the log lines."""
 
-    def __init__(self, total, stream=sys.stderr):
+    def __init__(self, total, stream=sys.stderr, enabled=True):
         self.total = max(total, 1)
         self.stream = stream
-        self.enabled = stream.isatty()
+        self.enabled = enabled and stream.isatty()
         self.line = ""
 
     def clear(self):
@@ -102,24 +101,32 @@ def _snapshot_exists(solver):
 
 def run_training(solver_path, weights=None, snapshot=None, iterations=None, level=0, stages=(),
                  sigint_effect="stop", sighup_effect="snapshot", log_file=None, csv_file=None,
-                 make_solver=None):
+                 comm=None, planner=None, log_all_ranks=False):
+    """`caffepar train`: one process, or one rank of a parallel job when comm has P > 1."""
     from caffepar.proto.text import read_solver_text
     from caffepar.solvers import get_solver
-    setup_logging(log_file)
+    rank = comm.rank if comm is not None else 0
+    parallel = comm is not None and comm.size > 1
+    setup_logging(log_file if rank == 0 else None, enabled=rank == 0 or log_all_ranks,
+                  prefix=f"[rank {rank}] " if log_all_ranks and parallel else "")
     param = read_solver_text(solver_path)
     if iterations is not None:
         param.max_iter = iterations
     param.train_state.level = level
     param.train_state.stage.extend(stages)
-    solver = (make_solver or get_solver)(param, source=solver_path)
+    if parallel:
+        from caffepar.parallel.data_parallel import make_parallel_solver
+        solver = make_parallel_solver(param, comm, source=solver_path, planner=planner)
+    else:
+        solver = get_solver(param, source=solver_path)
     if weights:
         for path in weights.split(","):
             LOGGER.info(f"Finetuning from {path}")
             for net in [solver.net] + list(solver.test_nets):
                 net.copy_from(path)
-    csv = CsvWriter(csv_file or f"{solver.snapshot_prefix}_log.csv")
+    csv = CsvWriter(csv_file or f"{solver.snapshot_prefix}_log.csv") if rank == 0 else None
     start_iter = solver.iter
-    bar = ProgressBar(param.max_iter)
+    bar = ProgressBar(param.max_iter, enabled=rank == 0)
     _hook_bar_into_logging(bar)
     waited = {"seconds": 0.0, "data": 0.0}
     display = param.display
@@ -128,7 +135,8 @@ def run_training(solver_path, weights=None, snapshot=None, iterations=None, leve
         row = {"iter": info["iter"], "loss": info.get("loss"), "lr": info.get("lr"),
                "seconds": info.get("seconds"), "data_wait_s": info.get("data_wait")}
         row.update({f"test/{k}": v for k, v in info.get("test", {}).items()})
-        csv.add(row)
+        if csv is not None:
+            csv.add(row)
         waited["seconds"] += info.get("seconds") or 0.0
         waited["data"] += info.get("data_wait") or 0.0
         if display and info["iter"] % display == 0 and waited["seconds"] > 0:
@@ -150,9 +158,10 @@ def run_training(solver_path, weights=None, snapshot=None, iterations=None, leve
     finally:
         actions.restore()
         bar.close()
-        if csv.rows or start_iter == solver.iter:
+        if csv is not None and (csv.rows or start_iter == solver.iter):
             csv.write()
-    LOGGER.info(f"Wrote per-iteration values to {csv.path}")
+    if csv is not None:
+        LOGGER.info(f"Wrote per-iteration values to {csv.path}")
     return solver
 
 

@@ -39,7 +39,6 @@ def _timed(fn):
 
 def load_net(model, batch):
     from caffepar.graph.net import TRAIN, Net
-    from caffepar.proto import caffe_pb2
     from caffepar.proto.text import read_net_text
     param, _ = read_net_text(model)
     for layer in param.layer:

@@ -2,9 +2,10 @@
 """Forward and backward time of the non-GEMM layers (Pooling, LRN, ReLU, Dropout) inside the
 real nets: cifar10_quick at batch 100 and AlexNet at batch 16 (VGG-16 at batch 8 with --vgg).
 
-Each layer runs on the activations of one real forward pass; times are best-of --repeat, since
-a shared machine makes averages meaningless. In-place layers get their input restored before
-every run (untimed), so each run sees the same data.
+Each layer runs on the activations of one real forward pass; forward includes the layer's
+reshape, which the net calls before every forward. Times are best-of --repeat, since a shared
+machine makes averages meaningless. In-place layers get their input restored before every run
+(untimed), so each run sees the same data.
 
     python scripts/bench_small_layers.py [--repeat 7] [--vgg] [--types Pooling,LRN]
 """
@@ -67,9 +68,13 @@ def bench_net(model, batch, repeat, types):
             for t, s in zip(tops, saved_diff):
                 t.diff[...] = s
 
+        def forward():
+            layer.reshape(bottoms, tops)
+            layer.forward(bottoms, tops)
+
         restore_data()
-        layer.forward(bottoms, tops)
-        fwd = best_of(lambda: layer.forward(bottoms, tops), repeat, restore_data)
+        forward()
+        fwd = best_of(forward, repeat, restore_data)
         restore_data()
         layer.forward(bottoms, tops)
         bwd = best_of(lambda: layer.backward(tops, need, bottoms), repeat, restore_diff)

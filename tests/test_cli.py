@@ -1,6 +1,5 @@
 """The command line: `caffepar time` on the bundled models, Caffe's flag spellings, and the
 corpus of broken inputs, each of which must end with exit 1 and one line naming the problem."""
-import os
 import subprocess
 import sys
 from pathlib import Path

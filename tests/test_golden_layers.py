@@ -1,7 +1,6 @@
 """Every single-layer case BVLC Caffe recorded in caffe_ref/layers, run through the pycaffe API:
 forward outputs, bottom diffs and parameter diffs must match at rtol 1e-4, atol 1e-5."""
 import json
-import os
 
 import numpy as np
 import pytest

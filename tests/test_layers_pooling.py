@@ -227,3 +227,110 @@ def test_spp(method, shape, height):
     assert net.blobs["y"].shape == want.shape
     np.testing.assert_allclose(net.blobs["y"].data, want, rtol=1e-12)
     check_net_gradients(text, {"x": x})
+
+
+# ------------------------------------------------------------------ phase-split fast path
+def ref_pool_backward(x, dy, kh, kw, ph, pw, sh, sw, method, mask):
+    """Caffe's Pooling backward, loop for loop (MAX through the forward's mask)."""
+    n, c, h, w = x.shape
+    dx = np.zeros_like(x)
+    for a in range(n):
+        for b in range(c):
+            for i in range(dy.shape[2]):
+                for j in range(dy.shape[3]):
+                    if method == "MAX":
+                        idx = int(mask[a, b, i, j])
+                        if idx >= 0:
+                            dx[a, b].flat[idx] += dy[a, b, i, j]
+                        elif b or a:
+                            prev = dx[a, b - 1] if b else dx[a - 1, c - 1]
+                            prev.flat[-1] += dy[a, b, i, j]
+                        continue
+                    hs, ws = i * sh - ph, j * sw - pw
+                    he, we = min(hs + kh, h + ph), min(ws + kw, w + pw)
+                    size = (he - hs) * (we - ws)
+                    hs, ws = max(hs, 0), max(ws, 0)
+                    he, we = min(he, h), min(we, w)
+                    dx[a, b, hs:he, ws:we] += dy[a, b, i, j] / size
+    return dx
+
+
+# Kernel/stride/pad mixes whose ceil rule needs overhang rows or columns, floor mode leaving
+# cells no window reaches, kernels smaller than the stride, and a 12x12 kernel (16-bit index).
+FAST_CASES = [
+    ((3, 4, 8, 8), "kernel_size: 3 stride: 2", (3, 3, 0, 0, 2, 2), True),
+    ((2, 5, 9, 7), "kernel_size: 3 stride: 2", (3, 3, 0, 0, 2, 2), True),
+    ((2, 3, 8, 8), "kernel_size: 2 stride: 2", (2, 2, 0, 0, 2, 2), True),
+    ((2, 3, 7, 9), "kernel_size: 2 stride: 2", (2, 2, 0, 0, 2, 2), True),
+    ((2, 3, 9, 9), "kernel_size: 3 stride: 2 round_mode: FLOOR", (3, 3, 0, 0, 2, 2), False),
+    ((2, 3, 10, 11), "kernel_size: 2 stride: 3 round_mode: FLOOR", (2, 2, 0, 0, 3, 3), False),
+    ((2, 3, 7, 8), "kernel_size: 2 stride: 3", (2, 2, 0, 0, 3, 3), True),
+    ((1, 4, 7, 6), "kernel_size: 3 stride: 1 pad: 1", (3, 3, 1, 1, 1, 1), True),
+    ((2, 2, 9, 8), "kernel_h: 3 kernel_w: 4 stride_h: 2 stride_w: 3 pad_h: 1 pad_w: 2",
+     (3, 4, 1, 2, 2, 3), True),
+    ((1, 3, 13, 14), "kernel_size: 12 stride: 1", (12, 12, 0, 0, 1, 1), True),
+]
+
+
+@pytest.fixture(params=[None, 700], ids=["one-block", "many-blocks"])
+def block_bytes(request, monkeypatch):
+    """Tiny blocks split the planes into several runs with a short last one."""
+    from caffepar.layers import pooling
+    if request.param:
+        monkeypatch.setattr(pooling, "BLOCK_BYTES", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+@pytest.mark.parametrize("case", FAST_CASES, ids=[c[1] for c in FAST_CASES])
+@pytest.mark.parametrize("values", ["normal", "ties", "nan_inf"])
+def test_fast_path_matches_loops(method, case, values, block_bytes):
+    shape, text, geom, ceil_mode = case
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(shape)
+    if values == "ties":
+        x = np.round(x)
+    elif values == "nan_inf":
+        if method == "AVE":
+            pytest.skip("AVE sums propagate NaN the same way in any order")
+        x[rng.random(shape) < 0.15] = np.nan
+        x[rng.random(shape) < 0.25] = -np.inf
+        x[0, 0] = -np.inf
+    for dtype, rtol in ((np.float64, 1e-12), (np.float32, 1e-5)):
+        tops = ("y", "mask") if method == "MAX" else ("y",)
+        net = run(net_text("Pooling", shape, f"pooling_param {{ pool: {method} {text} }}", tops),
+                  x.astype(dtype), dtype)
+        want, mask = ref_pool(x, *geom, method, ceil_mode=ceil_mode)
+        assert net.blobs["y"].shape == want.shape
+        np.testing.assert_allclose(net.blobs["y"].data, want, rtol=rtol)
+        if method == "MAX":
+            np.testing.assert_array_equal(net.blobs["mask"].data, mask)
+        dy = rng.standard_normal(want.shape)
+        if method == "MAX":
+            net = run(net_text("Pooling", shape, f"pooling_param {{ pool: MAX {text} }}"),
+                      x.astype(dtype), dtype)
+        net.blobs["y"].diff[...] = dy
+        net.backward_from_to()
+        np.testing.assert_allclose(net.blobs["x"].diff,
+                                   ref_pool_backward(x, dy, *geom, method, mask),
+                                   rtol=rtol, atol=1e-6)
+
+
+def test_fast_path_repeated_calls_reuse_buffers(block_bytes):
+    """Forward/backward twice on new data: block buffers kept across calls must not leak
+    values between runs (the -inf overhang cells stay -inf, gradients start from zero)."""
+    shape = (2, 3, 8, 8)
+    text = net_text("Pooling", shape, "pooling_param { pool: MAX kernel_size: 3 stride: 2 }")
+    net = build(text)
+    rng = np.random.default_rng(2)
+    for _ in range(2):
+        x = rng.standard_normal(shape) - 5
+        net.blobs["x"].data[...] = x
+        net.forward()
+        want, mask = ref_pool(x, 3, 3, 0, 0, 2, 2, "MAX")
+        np.testing.assert_array_equal(net.blobs["y"].data, want)
+        dy = rng.standard_normal(want.shape)
+        net.blobs["y"].diff[...] = dy
+        net.backward_from_to()
+        np.testing.assert_allclose(net.blobs["x"].diff,
+                                   ref_pool_backward(x, dy, 3, 3, 0, 0, 2, 2, "MAX", mask))

@@ -5,7 +5,7 @@ import pytest
 from google.protobuf import text_format
 
 from caffepar.errors import NetError
-from caffepar.graph.net import TEST, TRAIN, Net
+from caffepar.graph.net import TRAIN, Net
 from caffepar.graph.passes import filter_net, insert_splits
 from caffepar.proto import caffe_pb2
 

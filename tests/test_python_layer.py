@@ -1,7 +1,6 @@
 """Caffe's Python layer: a pycaffe-style user module (which does `import caffe`) runs inside a
 net and matches the built-in layer it re-implements."""
 import sys
-import textwrap
 
 import numpy as np
 import pytest

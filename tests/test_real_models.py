@@ -4,7 +4,6 @@ import gzip
 import lzma
 
 import numpy as np
-import pytest
 
 import caffepar as caffe
 from caffepar.proto.text import read_blob_proto

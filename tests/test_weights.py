@@ -1,7 +1,6 @@
 """caffemodel reading and writing: V1 files, legacy 4-D blob shapes, HDF5, atomic saves, and a
 VGG-16-sized (553 MB) file loading in seconds."""
 import os
-import resource
 import time
 
 import numpy as np
@@ -9,7 +8,6 @@ import pytest
 
 import caffepar as caffe
 from caffepar.errors import WeightsError
-from caffepar.io.weights import read_caffemodel
 from caffepar.proto import caffe_pb2
 from conftest import CAFFE_REF, need_shared
 

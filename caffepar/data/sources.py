@@ -239,6 +239,15 @@ def backend_name(value):
 
 
 # ---------------------------------------------------------------- list files
+def root_prefix(root):
+    """Caffe prepends root_folder to each listed path as a plain string; a folder given without
+    its trailing slash gets one, so `images` and `images/` both work."""
+    root = os.fspath(root or "")
+    if root and not root.endswith(("/", os.sep)) and os.path.isdir(root):
+        root += "/"
+    return root
+
+
 def read_image_list(path):
     """Caffe's ImageData list: each line "path label"; the label is after the last space, so
     paths may contain spaces."""

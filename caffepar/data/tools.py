@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from caffepar.data.sources import open_db, parse_datum, read_image, read_image_list
+from caffepar.data.sources import (open_db, parse_datum, read_image, read_image_list,
+                                   root_prefix)
 from caffepar.errors import DataError, MissingFileError
 from caffepar.proto import caffe_pb2
 
@@ -264,7 +265,7 @@ def convert_imageset(root, list_file, db, resize_height=0, resize_width=0, shuff
         lines = [lines[i] for i in rng.permutation(len(lines))]
     encoded = encoded or bool(encode_type)
     resize_height, resize_width = max(0, resize_height), max(0, resize_width)
-    root = os.fspath(root)
+    root = root_prefix(root)
     out = _Writer(db, backend)
     size = None
     with Progress(len(lines), os.path.basename(os.fspath(db))) as bar:

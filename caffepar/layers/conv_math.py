@@ -72,6 +72,8 @@ POINTWISE_DIRECT_MIN = 1024
 BAND_FOLD_ALL = 64
 #: Bound on the band path's column block.
 BAND_BYTES = 4 << 20
+#: Python threads sharing the band path's blocks.
+BAND_THREADS = 2
 
 
 # --------------------------------------------------------------------------
@@ -650,6 +652,18 @@ class _BandPlan:
                 yield n0, min(self.nb, n - n0), r0, min(self.rows, g.out[0] - r0)
 
 
+def _padded_ld(cols, isz):
+    """A row length >= cols whose byte size is an odd multiple of 64.
+
+    Rows that are a multiple of a large power of two apart (e.g. 1024
+    floats) map to the same cache sets, and the GEMM's packing of such
+    operands ran over 10x slower.
+    """
+    lines = -(-cols * isz // 64)
+    lines += 1 - lines % 2
+    return max(cols, lines * 64 // isz)
+
+
 def _band_fill(g, plan, x, n0, m, r0, rows, cols):
     """cols[(tap, c), p, image, col] = zero-padded x under the tap, for
     padded rows r0 + p (p < rows + halo), images n0 .. n0+m."""
@@ -695,28 +709,63 @@ def _band_dw(dwb, plan, w_shape):
     return np.ascontiguousarray(dwb.reshape(kh, o, kw, c).transpose(1, 3, 0, 2))
 
 
+def _split_run(blocks, work):
+    """Run work(blocks) split over BAND_THREADS Python threads; their results.
+
+    Each thread fills its own column buffers (the scratch is per thread) and
+    calls BLAS, which releases the GIL, so one thread's copies overlap the
+    other's GEMMs.
+    """
+    parts = max(1, min(BAND_THREADS, len(blocks)))
+    if parts == 1:
+        return [work(blocks)]
+    share = [blocks[i::parts] for i in range(parts)]
+    results = [None] * parts
+    errors = []
+
+    def run(i):
+        try:
+            results[i] = work(share[i])
+        except BaseException as e:  # re-raised in the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(1, parts)]
+    for t in threads:
+        t.start()
+    run(0)
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 def _band_forward(g, x, w, bias, y, dt):
     """y = conv(x, w) + bias through band im2col blocks, written into y."""
     n = x.shape[0]
     o = w.shape[0]
     plan = _BandPlan(g, n, x.shape[1], dt.itemsize)
     wb = _band_weights(w, plan)
-    cols = _scratch("bcols", (plan.k, plan.ncols), dt)
-    yb = _scratch("bout", (o, plan.rows * plan.nb * plan.wo), dt)
     bshape = (1, o, 1, 1)
-    for n0, m, r0, rows in plan.blocks(g, n):
-        _band_fill(g, plan, x, n0, m, r0, rows, cols)
-        step = m * plan.wo
-        L = rows * step
-        d = yb[:, :L]
-        for s, sh in enumerate(plan.shifts):
-            _gemm(wb[s], cols[:, sh * step:sh * step + L], d, beta=1.0 if s else 0.0)
-        src = d.reshape(o, rows, m, plan.wo).transpose(2, 0, 1, 3)
-        dst = y[n0:n0 + m, :, r0:r0 + rows]
-        if bias is None:
-            np.copyto(dst, src)
-        else:
-            np.add(src, bias.reshape(bshape), out=dst)
+
+    def work(blocks):
+        cols = _scratch("bcols", (plan.k, _padded_ld(plan.ncols, dt.itemsize)), dt)
+        yb = _scratch("bout", (o, _padded_ld(plan.rows * plan.nb * plan.wo, dt.itemsize)), dt)
+        for n0, m, r0, rows in blocks:
+            _band_fill(g, plan, x, n0, m, r0, rows, cols)
+            step = m * plan.wo
+            L = rows * step
+            d = yb[:, :L]
+            for s, sh in enumerate(plan.shifts):
+                _gemm(wb[s], cols[:, sh * step:sh * step + L], d, beta=1.0 if s else 0.0)
+            src = d.reshape(o, rows, m, plan.wo).transpose(2, 0, 1, 3)
+            dst = y[n0:n0 + m, :, r0:r0 + rows]
+            if bias is None:
+                np.copyto(dst, src)
+            else:
+                np.add(src, bias.reshape(bshape), out=dst)
+
+    _split_run(list(plan.blocks(g, n)), work)
 
 
 def _band_backward(g, dy, x, w, need_db, dt):
@@ -724,23 +773,31 @@ def _band_backward(g, dy, x, w, need_db, dt):
     n = x.shape[0]
     o = w.shape[0]
     plan = _BandPlan(g, n, x.shape[1], dt.itemsize)
-    cols = _scratch("bcols", (plan.k, plan.ncols), dt)
-    dyb = _scratch("bout", (o, plan.rows * plan.nb * plan.wo), dt)
-    dwb = np.zeros((len(plan.shifts), o, plan.k), dt)
-    db = np.zeros(o, dt) if need_db else None
-    first = True
-    for n0, m, r0, rows in plan.blocks(g, n):
-        _band_fill(g, plan, x, n0, m, r0, rows, cols)
-        step = m * plan.wo
-        L = rows * step
-        d = dyb[:, :L]
-        np.copyto(d.reshape(o, rows, m, plan.wo), dy[n0:n0 + m, :, r0:r0 + rows].transpose(1, 2, 0, 3))
-        for s, sh in enumerate(plan.shifts):
-            _gemm(d, cols[:, sh * step:sh * step + L], dwb[s], trans_b=True,
-                  beta=0.0 if first else 1.0)
+
+    def work(blocks):
+        cols = _scratch("bcols", (plan.k, _padded_ld(plan.ncols, dt.itemsize)), dt)
+        dyb = _scratch("bout", (o, _padded_ld(plan.rows * plan.nb * plan.wo, dt.itemsize)), dt)
+        dwb = np.zeros((len(plan.shifts), o, plan.k), dt)
+        db = np.zeros(o, dt) if need_db else None
+        for n0, m, r0, rows in blocks:
+            _band_fill(g, plan, x, n0, m, r0, rows, cols)
+            step = m * plan.wo
+            L = rows * step
+            d = dyb[:, :L]
+            np.copyto(d.reshape(o, rows, m, plan.wo),
+                      dy[n0:n0 + m, :, r0:r0 + rows].transpose(1, 2, 0, 3))
+            for s, sh in enumerate(plan.shifts):
+                _gemm(d, cols[:, sh * step:sh * step + L], dwb[s], trans_b=True, beta=1.0)
+            if need_db:
+                db += d.sum(axis=1)
+        return dwb, db
+
+    parts = _split_run(list(plan.blocks(g, n)), work)
+    dwb, db = parts[0]
+    for dwp, dbp in parts[1:]:
+        dwb += dwp
         if need_db:
-            db += d.sum(axis=1)
-        first = False
+            db += dbp
     return _band_dw(dwb, plan, w.shape), db
 
 

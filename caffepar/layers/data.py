@@ -1,6 +1,18 @@
-"""Layers that provide blobs without reading a dataset: Input and DummyData."""
+"""Data-providing layers: Input and DummyData, and the dataset readers Data (LMDB/LevelDB),
+ImageData, HDF5Data and MemoryData."""
+import os
+import threading
+
+import h5py
 import numpy as np
 
+from caffepar import common
+from caffepar.data.prefetch import PREFETCH_COUNT, Prefetcher, PrefetchError
+from caffepar.data.sources import (backend_name, datum_array, open_db, parse_datum,
+                                   read_hdf5_list, read_image, read_image_list, resolve_path,
+                                   root_prefix)
+from caffepar.data.transform import DataTransformer
+from caffepar.errors import DataError
 from caffepar.fillers import fill
 from caffepar.layers.base import Layer, register
 from caffepar.proto import caffe_pb2
@@ -85,11 +97,6 @@ class DummyDataLayer(Layer):
 # positions r, r+P, r+2P, ... (Caffe's offset % size == rank rule), and every random choice is
 # drawn from a generator seeded by (layer seed, epoch) or (layer seed, rank, batch). Prefetching,
 # resuming and sharding then cannot change what a batch contains.
-import os as _os
-import threading as _threading
-
-from caffepar import common as _common
-from caffepar.errors import DataError as _DataError
 
 
 class _StreamingDataLayer(Layer):
@@ -102,12 +109,11 @@ class _StreamingDataLayer(Layer):
 
     def resolve(self, path, what):
         """A path as Caffe opens it (working directory), else beside the net's prototxt."""
-        from caffepar.data.sources import resolve_path
         if not path:
             raise self.error(f"no {what} given")
         found = resolve_path(path, getattr(self, "net_dir", None))
         if found is None:
-            raise _DataError(f"{what} not found: {path}", path=path, layer=self.name,
+            raise DataError(f"{what} not found: {path}", path=path, layer=self.name,
                              layer_type=self.param.type)
         return found
 
@@ -118,7 +124,7 @@ class _StreamingDataLayer(Layer):
         if not 0 <= self.rank < self.world:
             raise self.error(f"shard rank {rank} out of range for {size} ranks")
         self.positive(self.batch_size, "batch_size")
-        self.seed = _common.seed_for(self.name)
+        self.seed = common.seed_for(self.name)
         self.skip = 0
         if rand_skip:
             self.skip = int(np.random.default_rng([self.seed, 1 << 20]).integers(rand_skip))
@@ -126,7 +132,7 @@ class _StreamingDataLayer(Layer):
         self._batch = 0
         self._prefetcher = None
         self._depth = depth
-        self._lock = _threading.Lock()
+        self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- stream arithmetic
     def positions(self, index):
@@ -146,14 +152,12 @@ class _StreamingDataLayer(Layer):
     # ---------------------------------------------------------------- running
     def _ensure_prefetcher(self):
         if self._prefetcher is None:
-            from caffepar.data.prefetch import PREFETCH_COUNT, Prefetcher
             depth = self._depth or PREFETCH_COUNT
             self._prefetcher = Prefetcher(self.make_batch, self._batch, depth,
                                           name=f"data:{self.name}")
 
     def next_batch(self):
         """The arrays for the next batch; waits for the prefetcher (time accumulated)."""
-        from caffepar.data.prefetch import PrefetchError
         if self.uses_prefetch:
             self._ensure_prefetcher()
             try:
@@ -161,7 +165,7 @@ class _StreamingDataLayer(Layer):
             except PrefetchError as e:
                 self._prefetcher = None
                 cause = e.error
-                if isinstance(cause, _DataError):
+                if isinstance(cause, DataError):
                     if cause.layer is None:
                         cause.layer, cause.layer_type = self.name, self.param.type
                     raise cause from None
@@ -221,16 +225,15 @@ class HDF5DataLayer(_StreamingDataLayer):
     """Rows of the datasets named by the tops, across the files of a list file, as floats."""
 
     def layer_setup(self, bottom, top):
-        from caffepar.data.sources import read_hdf5_list
         p = self.param.hdf5_data_param
         if self.param.HasField("transform_param"):
             raise self.error("HDF5Data does not transform data; remove transform_param")
         source = self.resolve(p.source, "HDF5 source list")
         names = read_hdf5_list(source)
         if not names:
-            raise _DataError(f"no HDF5 file names listed in {p.source}", path=source,
+            raise DataError(f"no HDF5 file names listed in {p.source}", path=source,
                              layer=self.name, layer_type=self.param.type)
-        base = _os.path.dirname(_os.path.abspath(source))
+        base = os.path.dirname(os.path.abspath(source))
         self.files = []
         for n in names:
             found = self.resolve_listed(n, base)
@@ -240,14 +243,14 @@ class HDF5DataLayer(_StreamingDataLayer):
         for f in self.files:
             r, s = self._inspect(f)
             if shapes is not None and s != shapes:
-                raise _DataError(f"datasets have shapes {s}, other files have {shapes}", path=f,
+                raise DataError(f"datasets have shapes {s}, other files have {shapes}", path=f,
                                  layer=self.name, layer_type=self.param.type)
             shapes = s
             rows.append(r)
         self.rows = np.asarray(rows, np.int64)
         self.num_records = int(self.rows.sum())
         if self.num_records == 0:
-            raise _DataError("HDF5 files hold no rows", path=source, layer=self.name,
+            raise DataError("HDF5 files hold no rows", path=source, layer=self.name,
                              layer_type=self.param.type)
         self.shuffle = p.shuffle
         self.batch_size = p.batch_size
@@ -257,36 +260,34 @@ class HDF5DataLayer(_StreamingDataLayer):
             t.reshape((self.batch_size,) + s)
 
     def resolve_listed(self, name, list_dir):
-        from caffepar.data.sources import resolve_path
         found = resolve_path(name, getattr(self, "net_dir", None)) or \
             resolve_path(name, list_dir)
         if found is None:
-            raise _DataError(f"HDF5 file not found: {name}", path=name, layer=self.name,
+            raise DataError(f"HDF5 file not found: {name}", path=name, layer=self.name,
                              layer_type=self.param.type)
         return found
 
     def _inspect(self, path):
-        import h5py
         try:
             with h5py.File(path, "r") as f:
                 shapes, rows = [], None
                 for name in self.datasets:
                     if name not in f:
-                        raise _DataError(f'no dataset "{name}" (the file has: '
+                        raise DataError(f'no dataset "{name}" (the file has: '
                                          f'{", ".join(sorted(f.keys()))})', path=path,
                                          layer=self.name, layer_type=self.param.type)
                     ds = f[name]
                     if ds.ndim < 1 or ds.dtype.kind not in "fiub":
-                        raise _DataError(f'dataset "{name}" must be numeric with >= 1 axis',
+                        raise DataError(f'dataset "{name}" must be numeric with >= 1 axis',
                                          path=path, layer=self.name, layer_type=self.param.type)
                     if rows is not None and ds.shape[0] != rows:
-                        raise _DataError(f'dataset "{name}" has {ds.shape[0]} rows, '
+                        raise DataError(f'dataset "{name}" has {ds.shape[0]} rows, '
                                          f'"{self.datasets[0]}" has {rows}', path=path,
                                          layer=self.name, layer_type=self.param.type)
                     rows = ds.shape[0]
                     shapes.append(tuple(ds.shape[1:]))
         except OSError as e:
-            raise _DataError(f"cannot read HDF5 file: {e}", path=path, layer=self.name,
+            raise DataError(f"cannot read HDF5 file: {e}", path=path, layer=self.name,
                              layer_type=self.param.type) from None
         return rows, tuple(shapes)
 
@@ -294,7 +295,6 @@ class HDF5DataLayer(_StreamingDataLayer):
         with self._lock:
             arrays = self._cache.get(k)
             if arrays is None:
-                import h5py
                 with h5py.File(self.files[k], "r") as f:
                     arrays = [np.asarray(f[n], dtype=self.dtype) for n in self.datasets]
                 if len(self._cache) >= 2:
@@ -337,12 +337,11 @@ class HDF5DataLayer(_StreamingDataLayer):
 
 def _transformer(layer):
     """The layer's DataTransformer, its mean_file found as Caffe would (or beside the net)."""
-    from caffepar.data.transform import DataTransformer
     tp = layer.param.transform_param
     mean_file = layer.resolve(tp.mean_file, "mean_file") if tp.HasField("mean_file") else None
     try:
         return DataTransformer(tp, layer.phase, mean_file=mean_file, dtype=layer.dtype)
-    except _DataError as e:
+    except DataError as e:
         raise layer.error(e.message) from None
 
 
@@ -361,18 +360,17 @@ class DataLayer(_StreamingDataLayer):
     max_tops = 2
 
     def layer_setup(self, bottom, top):
-        from caffepar.data.sources import backend_name, datum_array, open_db, parse_datum
         p = self.param.data_param
         source = self.resolve(p.source, "data source")
         self.transformer = _transformer(self)
         try:
             self.db = open_db(source, backend_name(p.backend))
-        except _DataError as e:
+        except DataError as e:
             hint = None
             if backend_name(p.backend) == "leveldb" and \
-                    _os.path.exists(_os.path.join(source, "data.mdb")):
+                    os.path.exists(os.path.join(source, "data.mdb")):
                 hint = "the source looks like an LMDB: set data_param { backend: LMDB }"
-            raise _DataError(e.message, path=source, layer=self.name,
+            raise DataError(e.message, path=source, layer=self.name,
                              layer_type=self.param.type, hint=hint) from None
         self.num_records = len(self.db)
         self.batch_size = p.batch_size
@@ -382,14 +380,13 @@ class DataLayer(_StreamingDataLayer):
                             self.transformer.decode_color)
         try:
             shape = self.transformer.output_shape(*first.shape)
-        except _DataError as e:
+        except DataError as e:
             raise self.error(e.message) from None
         top[0].reshape((self.batch_size,) + shape)
         if self.output_labels:
             top[1].reshape((self.batch_size,))
 
     def make_batch(self, index):
-        from caffepar.data.sources import datum_array, parse_datum
         _, records = self.epoch_and_record(self.positions(index))
         color = self.transformer.decode_color
         datums = [parse_datum(self.db.get(int(r))) for r in records]
@@ -408,16 +405,15 @@ class ImageDataLayer(_StreamingDataLayer):
     exact_tops = 2
 
     def layer_setup(self, bottom, top):
-        from caffepar.data.sources import read_image_list
         p = self.param.image_data_param
         if (p.new_height > 0) != (p.new_width > 0):
             raise self.error("new_height and new_width must be set together")
         source = self.resolve(p.source, "image list")
         self.lines = read_image_list(source)
         if not self.lines:
-            raise _DataError("image list is empty", path=source, layer=self.name,
+            raise DataError("image list is empty", path=source, layer=self.name,
                              layer_type=self.param.type)
-        self.root = p.root_folder
+        self.root = root_prefix(p.root_folder)
         self.labels = np.asarray([lab for _, lab in self.lines], self.dtype)
         self.num_records = len(self.lines)
         self.batch_size = p.batch_size
@@ -429,7 +425,7 @@ class ImageDataLayer(_StreamingDataLayer):
         first = self.read(self.records(self.positions(0)[:1])[0])
         try:
             shape = self.transformer.output_shape(*first.shape)
-        except _DataError as e:
+        except DataError as e:
             raise self.error(e.message) from None
         top[0].reshape((self.batch_size,) + shape)
         top[1].reshape((self.batch_size,))
@@ -445,12 +441,11 @@ class ImageDataLayer(_StreamingDataLayer):
         return out
 
     def read(self, i):
-        from caffepar.data.sources import read_image, resolve_path
         path = self.root + self.lines[i][0]
         found = resolve_path(path, getattr(self, "net_dir", None))
         img = read_image(found, *self.size, color=self.color) if found else None
         if img is None:
-            raise _DataError(f"could not load image {path}", path=path, layer=self.name,
+            raise DataError(f"could not load image {path}", path=path, layer=self.name,
                              layer_type=self.param.type)
         return img.transpose(2, 0, 1)
 

@@ -12,6 +12,17 @@ from caffepar.layers.base import Layer, register
 from caffepar.proto import caffe_pb2
 
 
+CHUNK = 1 << 18
+
+
+def _chunks(*arrays):
+    """Flat, equally placed slices of same-sized arrays, small enough that the scratch a pass
+    needs stays in cache instead of taking a full-size temporary."""
+    flat = [a.reshape(-1) for a in arrays]
+    for i in range(0, flat[0].size, CHUNK):
+        yield tuple(f[i:i + CHUNK] for f in flat)
+
+
 class NeuronLayer(Layer):
     exact_bottoms = 1
     exact_tops = 1
@@ -28,6 +39,15 @@ class NeuronLayer(Layer):
 
     def reshape(self, bottom, top):
         top[0].reshape(bottom[0].shape)
+
+    def scratch(self, name, size, dtype):
+        """A chunk-sized buffer kept across calls, so no pass allocates."""
+        size = min(CHUNK, size)
+        buf = self.__dict__.get("_scratch_" + name)
+        if buf is None or buf.size < size or buf.dtype != dtype:
+            buf = np.empty(max(size, 1), dtype)
+            setattr(self, "_scratch_" + name, buf)
+        return buf
 
 
 def _sigmoid(x, out):
@@ -50,18 +70,31 @@ class ReLULayer(NeuronLayer):
         x, y = bottom[0].data, top[0].data
         if self.slope == 0:
             np.maximum(x, 0, out=y)
-        else:
-            np.multiply(x, np.where(x > 0, 1, self.slope).astype(self.dtype, copy=False), out=y)
+            return
+        scratch = self.scratch("neg", x.size, self.dtype)
+        for xc, yc in _chunks(x, y):
+            t = scratch[:len(xc)]
+            np.minimum(xc, 0, out=t)
+            t *= self.slope
+            np.maximum(xc, 0, out=yc)
+            yc += t
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        x = bottom[0].data
+        x, dy, dx = bottom[0].data, top[0].diff, bottom[0].diff
+        positive = self.scratch("positive", x.size, bool)
         if self.slope == 0:
-            np.multiply(top[0].diff, x > 0, out=bottom[0].diff)
+            for xc, dyc, dxc in _chunks(x, dy, dx):
+                m = positive[:len(xc)]
+                np.greater(xc, 0, out=m)
+                np.multiply(dyc, m, out=dxc)
             return
-        factor = np.where(x > 0, 1, self.slope).astype(self.dtype, copy=False)
-        np.multiply(top[0].diff, factor, out=bottom[0].diff)
+        one, slope = self.dtype.type(1), self.dtype.type(self.slope)
+        for xc, dyc, dxc in _chunks(x, dy, dx):
+            m = positive[:len(xc)]
+            np.greater(xc, 0, out=m)
+            np.multiply(dyc, np.where(m, one, slope), out=dxc)
 
 
 @register("PReLU")
@@ -360,11 +393,17 @@ class DropoutLayer(NeuronLayer):
     def forward(self, bottom, top):
         x, y = bottom[0].data, top[0].data
         if self.phase == caffe_pb2.TRAIN:
-            keep = common.rng().random(x.shape, dtype=np.float32) >= np.float32(self.ratio)
-            self.mask = keep.astype(self.dtype)
-            if self.scale_train:
-                self.mask *= self.dtype.type(self.scale)
-            np.multiply(x, self.mask, out=y)
+            if self.mask is None or self.mask.shape != x.shape:
+                self.mask = np.empty(x.shape, bool)
+            draws = self.scratch("draws", x.size, np.float32)
+            rng, ratio, scale = common.rng(), np.float32(self.ratio), self.dtype.type(self.scale)
+            for xc, yc, keep in _chunks(x, y, self.mask):
+                u = draws[:len(xc)]
+                rng.random(dtype=np.float32, out=u)
+                np.greater_equal(u, ratio, out=keep)
+                np.multiply(xc, keep, out=yc)
+                if self.scale_train:
+                    yc *= scale
         elif self.scale_train:
             if y is not x:
                 y[...] = x
@@ -376,7 +415,11 @@ class DropoutLayer(NeuronLayer):
             return
         dy, dx = top[0].diff, bottom[0].diff
         if self.phase == caffe_pb2.TRAIN:
-            np.multiply(dy, self.mask, out=dx)
+            scale = self.dtype.type(self.scale)
+            for dyc, dxc, keep in _chunks(dy, dx, self.mask):
+                np.multiply(dyc, keep, out=dxc)
+                if self.scale_train:
+                    dxc *= scale
         elif self.scale_train:
             if dx is not dy:
                 dx[...] = dy

@@ -28,15 +28,13 @@ def window_sum(a, axis, size, out=None):
     return out
 
 
-def neg_power(s, beta, out, tmp=None):
-    """s ** -beta; AlexNet's beta 0.75 through square roots, which is much faster than pow."""
+def neg_power(s, beta, out):
+    """s ** -beta (`out` must not be `s`); AlexNet's beta 0.75 as s^(1/4) / s, through square
+    roots, which is much faster than pow."""
     if beta == 0.75:
         np.sqrt(s, out=out)
-        if tmp is None:
-            tmp = np.empty_like(out)
-        np.sqrt(out, out=tmp)
-        out *= tmp
-        np.reciprocal(out, out=out)
+        np.sqrt(out, out=out)
+        np.divide(out, s, out=out)
     elif beta == 0.5:
         np.sqrt(s, out=out)
         np.reciprocal(out, out=out)
@@ -47,11 +45,10 @@ def neg_power(s, beta, out, tmp=None):
     return out
 
 
-def _image_blocks(n, image_bytes):
+def _image_blocks(x):
     """Runs of images whose scratch stays in cache; NumPy's per-call cost caps how small."""
-    step = max(1, LRN_BLOCK_BYTES // max(1, image_bytes))
-    for i in range(0, n, step):
-        yield i, min(n, i + step)
+    step = max(1, LRN_BLOCK_BYTES // max(1, x[0].nbytes)) if len(x) else 1
+    return step, [(i, min(len(x), i + step)) for i in range(0, len(x), step)]
 
 
 @register("LRN")
@@ -95,51 +92,47 @@ class LRNLayer(Layer):
             self.factor = neg_power(pooled, self.beta, np.empty_like(pooled))
             np.multiply(x, self.factor, out=y)
 
-    def _scratch(self, x, count):
-        shape = (max(1, min(len(x), LRN_BLOCK_BYTES // max(1, x[0].nbytes))),) + x.shape[1:]
-        if getattr(self, "_buffers", None) is None or self._buffers[0].shape != shape \
-                or self._buffers[0].dtype != x.dtype or len(self._buffers) < count:
-            self._buffers = [np.empty(shape, x.dtype) for _ in range(count)]
-        return self._buffers
+    def _scratch(self, x, step):
+        """Two block-sized buffers, kept while the shape holds."""
+        shape = (min(step, len(x)),) + x.shape[1:]
+        bufs = getattr(self, "_blocks", None)
+        if bufs is None or bufs[0].shape != shape or bufs[0].dtype != x.dtype:
+            bufs = self._blocks = (np.empty(shape, x.dtype), np.empty(shape, x.dtype))
+        return bufs
 
     def _across_forward(self, x, y):
-        """scale = k + alpha/n * window sum of x^2 (kept for backward with scale^-beta), a
+        """scale = k + alpha/n * window sum of x^2, kept for backward with scale^-beta; a
         block of images at a time so the passes run in cache."""
         if getattr(self, "scale", None) is None or self.scale.shape != x.shape \
                 or self.scale.dtype != x.dtype:
             self.scale = np.empty_like(x)
             self.power = np.empty_like(x)
-        sq, tmp = self._scratch(x, 2)[:2]
+        step, blocks = _image_blocks(x)
+        sq = self._scratch(x, step)[0]
         half = (self.size - 1) // 2
         c = x.shape[1]
-        for i, j in _image_blocks(len(x), x[0].nbytes):
-            xb, sc, pw = x[i:j], self.scale[i:j], self.power[i:j]
-            q = sq[:j - i]
+        for i, j in blocks:
+            xb, sc, q = x[i:j], self.scale[i:j], sq[:j - i]
             np.multiply(xb, xb, out=q)
             q *= self.alpha / self.size
             np.add(q, self.k, out=sc)
             for d in range(1, min(half, c - 1) + 1):
                 sc[:, d:] += q[:, :c - d]
                 sc[:, :c - d] += q[:, d:]
-            neg_power(sc, self.beta, pw, tmp[:j - i])
-            np.multiply(xb, pw, out=y[i:j])
+            neg_power(sc, self.beta, self.power[i:j])
+            np.multiply(xb, self.power[i:j], out=y[i:j])
 
     def _across_backward(self, x, y, dy, dx):
         """dx = dy scale^-beta - 2 alpha beta / n * x * window sum of dy y / scale."""
-        ratio, acc = self._scratch(x, 2)[:2]
-        half = (self.size - 1) // 2
-        c = x.shape[1]
+        step, blocks = _image_blocks(x)
+        ratio, acc = self._scratch(x, step)
         factor = -2.0 * self.alpha * self.beta / self.size
-        for i, j in _image_blocks(len(x), x[0].nbytes):
+        for i, j in blocks:
             r, a = ratio[:j - i], acc[:j - i]
             np.multiply(dy[i:j], y[i:j], out=r)
             r /= self.scale[i:j]
-            np.multiply(r, factor, out=a)
-            if half:
-                r *= factor
-            for d in range(1, min(half, c - 1) + 1):
-                a[:, d:] += r[:, :c - d]
-                a[:, :c - d] += r[:, d:]
+            r *= factor
+            window_sum(r, 1, self.size, out=a)
             a *= x[i:j]
             np.multiply(dy[i:j], self.power[i:j], out=dx[i:j])
             dx[i:j] += a

@@ -48,6 +48,12 @@ class PoolGeometry:
         self.ceil_mode = ceil_mode
 
     def reshape(self, h, w):
+        """Work out the layout for an h x w input; a repeat of the last size keeps the block
+        buffers (nets reshape every layer before each forward)."""
+        key = (h, w, self.kh, self.kw)
+        if getattr(self, "_key", None) == key:
+            return
+        self._key = key
         self.h, self.w = h, w
         self.oh = pooled_size(h, self.kh, self.ph, self.sh, self.ceil_mode)
         self.ow = pooled_size(w, self.kw, self.pw, self.sw, self.ceil_mode)

@@ -175,7 +175,7 @@ _LAUNCH_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"
 
 def launched_by_mpi():
     """True when an MPI launcher (mpiexec, srun with PMI) started this process."""
-    if any(os.environ.get(k) for k in _LAUNCH_ENV):
+    if os.environ.get("CAFFEPAR_MPI") or any(os.environ.get(k) for k in _LAUNCH_ENV):
         return True
     return int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in os.environ
 

@@ -13,6 +13,7 @@ P ranks computes what a one-process net with P times the batch computes.
 """
 import numpy as np
 
+from caffepar.errors import NetError
 from caffepar.layers.blas import gemm
 from caffepar.layers.inner_product import InnerProductLayer
 from caffepar.parallel.plan import MODEL, shard_rows
@@ -23,14 +24,15 @@ class ParallelInnerProductLayer(InnerProductLayer):
 
     comm = None
     planner = None
-    source_map = None
 
     def layer_setup(self, bottom, top):
         p = self.param.inner_product_param
         k = int(np.prod(bottom[0].shape[p.axis if p.axis >= 0 else bottom[0].num_axes + p.axis:]))
         params = p.num_output * k + (p.num_output if p.bias_term else 0)
         self.mode, self.mode_reason = self.planner.decide(self.param, params)
-        self.planner.check(self.param, self.mode, self.source_map, p.transpose)
+        if self.mode == MODEL and p.transpose:
+            raise self.error("model parallelism needs transpose: false (weights are split "
+                             "by output rows)")
         self.sharded = self.mode == MODEL and self.comm.size > 1
         super().layer_setup(bottom, top)
         if not self.sharded:
@@ -120,14 +122,18 @@ class ParallelInnerProductLayer(InnerProductLayer):
                                       tag=self.name)
 
 
-def layer_factory(comm, planner, source_map=None):
+def layer_factory(comm, planner):
     """For Net(..., layer_factory=...): InnerProduct layers become planner-decided ones."""
 
     def make(param, phase, dtype, where):
         if param.type != "InnerProduct":
+            if param.HasField("parallel_mode") and param.parallel_mode == param.MODEL:
+                raise NetError("only InnerProduct layers can run model parallel "
+                               "(parallel_mode: MODEL)", layer=param.name,
+                               layer_type=param.type, **where)
             return None
         layer = ParallelInnerProductLayer(param, phase, dtype, where)
-        layer.comm, layer.planner, layer.source_map = comm, planner, source_map
+        layer.comm, layer.planner = comm, planner
         return layer
 
     return make

@@ -360,6 +360,10 @@ class Solver:
                  _g(math.sqrt(float(np.dot(data, data)))), _g(math.sqrt(float(np.dot(diff, diff)))))
         return loss
 
+    def forward_only(self):
+        """The train net's loss without backward (the display after the last iteration)."""
+        return self.net.forward_from_to()
+
     def _display_outputs(self):
         net = self.net
         index = 0
@@ -446,7 +450,7 @@ class Solver:
         row = {"iter": self.iter}
         self._row = row
         if p.display and self.iter % p.display == 0:
-            loss = self.net.forward_from_to()
+            loss = self.forward_only()
             self._update_smoothed_loss(loss, start_iter, p.average_loss)
             log.info("Iteration %d, loss = %s", self.iter, _g(self.smoothed_loss))
             row.update(loss=float(loss), smoothed_loss=float(self.smoothed_loss))
@@ -565,17 +569,39 @@ class Solver:
         """Caffe's Snapshot: the weights, then the solver state; both written atomically.
         Returns (model path, state path)."""
         p = self.param
+        arrays = self.snapshot_blob_arrays()
         if p.snapshot_format == HDF5:
             model = self.snapshot_filename(".caffemodel.h5")
             log.info("Snapshotting to HDF5 file %s", model)
-            save_caffemodel_hdf5(self.net, model, write_diff=p.snapshot_diff)
+            if self.writes_files:
+                save_caffemodel_hdf5(self.net, model, write_diff=p.snapshot_diff,
+                                     blob_arrays=arrays)
         elif p.snapshot_format == BINARYPROTO:
             model = self.snapshot_filename(".caffemodel")
             log.info("Snapshotting to binary proto file %s", model)
-            save_caffemodel(self.net, model, write_diff=p.snapshot_diff)
+            if self.writes_files:
+                save_caffemodel(self.net, model, write_diff=p.snapshot_diff, blob_arrays=arrays)
         else:
             raise SolverError("Unsupported snapshot format.")
         return model, self.snapshot_solver_state(model)
+
+    # Hooks a model-parallel run overrides: whole-size arrays for files, this rank's part back.
+    writes_files = True
+
+    def snapshot_blob_arrays(self):
+        """None (the net's own blobs), or a function layer -> [(data, diff), ...]."""
+        return None
+
+    def snapshot_history(self):
+        return self.history
+
+    def history_part(self, index, values):
+        """This process's part of history blob `index` read from a solver state."""
+        target = self.history[index]
+        if values.size != target.size:
+            raise SolverError(f"history blob {index} has {values.size} values, the net's "
+                              f"parameter has shape {target.shape}")
+        return values.reshape(target.shape)
 
     def _resume_record(self):
         data, positions = {}, []
@@ -594,16 +620,19 @@ class Solver:
     def snapshot_solver_state(self, model_filename):
         record, positions = self._resume_record()
         state = _snap.SolverStateData(iter=self.iter, learned_net=model_filename,
-                                      current_step=self.current_step, history=self.history,
+                                      current_step=self.current_step,
+                                      history=self.snapshot_history(),
                                       data_position=positions, rng_state=record)
         if self.param.snapshot_format == HDF5:
             path = self.snapshot_filename(".solverstate.h5")
             log.info("Snapshotting solver state to HDF5 file %s", path)
-            _snap.write_hdf5(path, state)
+            if self.writes_files:
+                _snap.write_hdf5(path, state)
         else:
             path = self.snapshot_filename(".solverstate")
             log.info("Snapshotting solver state to binary proto file %s", path)
-            _snap.write_binary(path, state)
+            if self.writes_files:
+                _snap.write_binary(path, state)
         return path
 
     def restore(self, state_file):
@@ -617,17 +646,19 @@ class Solver:
             raise SolverError(f"Incorrect length of history blobs: the state has "
                               f"{len(state.history)}, this {self.type} solver keeps "
                               f"{len(self.history)}", path=path)
-        for i, ((values, shape, legacy), target) in enumerate(zip(state.history, self.history)):
-            if values.size != target.size:
-                raise SolverError(f"history blob {i} has shape {tuple(shape)}, the net's "
-                                  f"parameter has {target.shape}", path=path)
+        try:
+            parts = [self.history_part(i, values) for i, (values, _shape, _legacy)
+                     in enumerate(state.history)]
+        except SolverError as e:
+            e.path = path
+            raise
         self.iter = state.iter
         if state.learned_net:
             self.net.copy_from(_snap.find_learned_net(state.learned_net, path))
         self.current_step = state.current_step
         log.info("SGDSolver: restoring history")
-        for (values, _shape, _legacy), target in zip(state.history, self.history):
-            target[...] = values.reshape(target.shape)
+        for part, target in zip(parts, self.history):
+            target[...] = part
         record = state.resume_state()
         if record is not None:
             rng_state = record.get("rng")

@@ -1,0 +1,181 @@
+"""Synchronous SGD over ranks, attached to a solver (layers never see communication).
+
+Every rank builds the same nets with its own data shard (record i belongs to rank i mod P) and
+InnerProduct layers the plan splits by output rows. After backward, the gradients of all
+replicated parameters — one contiguous region of the net's flat diff buffer — are summed with one
+allreduce, and every gradient (replicated or sharded) is divided by P, so the update is the one a
+single process with P times the batch computes. Snapshots gather the shards: the files are the
+ordinary Caffe ones, and load into any number of ranks.
+"""
+import numpy as np
+
+from caffepar import common
+from caffepar.graph.net import Net
+from caffepar.logs import LOGGER
+from caffepar.parallel.model_parallel import layer_factory
+from caffepar.parallel.plan import MODEL, Planner
+from caffepar.proto.upgrade import upgrade_solver
+from caffepar.solvers.solver import SOLVERS
+
+
+class _AveragedOutputs:
+    """Make a net's outputs (and returned loss) the mean over ranks after every full forward."""
+
+    def __init__(self, net, comm):
+        self.net, self.comm = net, comm
+        self.plain_forward = net.forward_from_to
+        net.forward_from_to = self.forward_from_to
+
+    def forward_from_to(self, start=0, end=None):
+        loss = self.plain_forward(start, end)
+        last = len(self.net.layers) - 1
+        if start == 0 and (end is None or end == last):
+            loss = average_outputs(self.net, self.comm, loss)
+        return loss
+
+
+def average_outputs(net, comm, loss):
+    """Replace each output blob's data by its mean over ranks; return the mean loss."""
+    if comm.size == 1:
+        return loss
+    blobs = [net.blobs[n].data for n in net.outputs]
+    flat = np.concatenate([np.asarray(b, np.float64).reshape(-1) for b in blobs] +
+                          [np.asarray([loss], np.float64)])
+    comm.allreduce_sum(flat, tag="outputs")
+    flat /= comm.size
+    offset = 0
+    for b in blobs:
+        b.reshape(-1)[...] = flat[offset:offset + b.size]
+        offset += b.size
+    return float(flat[-1])
+
+
+def _sharded_layers(net):
+    return [layer for layer in net.layers if getattr(layer, "sharded", False)]
+
+
+def gather_rows(comm, layer, local, root=0):
+    """The full-size array of a row-sharded parameter (on root; None elsewhere)."""
+    row = int(np.prod(local.shape[1:])) if local.ndim > 1 else 1
+    full = np.empty((layer.full_output,) + local.shape[1:], local.dtype) \
+        if comm.rank == root else None
+    comm.gatherv(np.ascontiguousarray(local).reshape(-1), full,
+                 [int(c) * row for c in layer.row_counts], root=root, tag=layer.name)
+    return full
+
+
+def make_parallel_solver(param, comm, source=None, planner=None):
+    """A solver of the type `param` names whose nets are sharded over `comm` and whose updates
+    are synchronised across ranks."""
+    planner = planner or Planner()
+    if param.random_seed < 0:
+        param.random_seed = int(comm.bcast_object(
+            int(np.random.default_rng().integers(2 ** 31)) if comm.rank == 0 else None))
+    type_name = upgrade_solver(param, source=source)[0].type
+    base = SOLVERS[type_name]
+    cls = type(f"Parallel{base.__name__}", (ParallelSolverMixin, base), {})
+    return cls(param, source=source, comm=comm, planner=planner)
+
+
+class ParallelSolverMixin:
+    """Overrides of Solver's hooks for a P-rank run (P = 1 runs unchanged)."""
+
+    def __init__(self, param, source=None, comm=None, planner=None, base_dir=None):
+        self.comm = comm
+        self.planner = planner
+        super().__init__(param, source=source, base_dir=base_dir)
+        net = self.net
+        # Same seed everywhere built identical nets; from here on each rank draws its own
+        # dropout masks, while rank 0's replicated weights are made authoritative.
+        common.set_random_seed(self.param.random_seed * 7919 + comm.rank)
+        comm.bcast(net.param_data[:net.replicated_count], root=0, tag="initial params")
+        for test_net in self.test_nets:
+            _AveragedOutputs(test_net, comm)
+        self.writes_files = comm.rank == 0
+        self._learnable_layers = self._owner_layers()
+        if comm.rank == 0:
+            modes = [(l.name, l.mode) for l in net.layers if hasattr(l, "mode")]
+            sharded = [name for name, mode in modes if mode == MODEL]
+            LOGGER.info(f"Parallel run on {comm.size} rank(s): "
+                        f"{', '.join(sharded) or 'no layer'} model parallel, the rest data "
+                        f"parallel; {net.replicated_count:,} replicated parameters reduced "
+                        "with one allreduce")
+
+    def _make_net(self, source, phase, level, stages):
+        return Net(source, phase=phase, level=level, stages=stages,
+                   shard=(self.comm.rank, self.comm.size),
+                   layer_factory=layer_factory(self.comm, self.planner))
+
+    def _owner_layers(self):
+        """(layer, blob index) of each learnable parameter, in the net's learnable order."""
+        net = self.net
+        owners = [net.param_layer_index[n] for n, o in enumerate(net.param_owner) if o < 0]
+        return [(net.layers[i], k) for i, k in owners]
+
+    def requested_action(self):
+        """Signals reach ranks at different moments: every rank acts on the union of requests."""
+        local = super().requested_action()
+        code = {"none": 0, "snapshot": 1, "stop": 1000}[local]
+        total = int(self.comm.allreduce_scalar(code))
+        return "stop" if total >= 1000 else "snapshot" if total else "none"
+
+    # ---- one iteration
+    def _forward_backward(self, debug):
+        loss = super()._forward_backward(debug)
+        return average_outputs(self.net, self.comm, loss)
+
+    def forward_only(self):
+        return average_outputs(self.net, self.comm, super().forward_only())
+
+    def on_gradients_ready(self):
+        net, comm = self.net, self.comm
+        if comm.size > 1:
+            comm.allreduce_sum(net.param_diff[:net.replicated_count], tag="DATA params")
+            net.param_diff *= net.param_diff.dtype.type(1.0 / comm.size)
+            self._clip_global()
+        super().on_gradients_ready()
+
+    def _clip_global(self):
+        """clip_gradients over the whole model: shards' squares summed across ranks first.
+        Afterwards each rank's local norm is <= the clip, so the solver's own clip is a no-op."""
+        clip = self.param.clip_gradients
+        if clip <= 0:
+            return
+        net = self.net
+        rep = net.param_diff[:net.replicated_count]
+        shard = net.param_diff[net.replicated_count:]
+        sq = float(np.dot(rep, rep)) + self.comm.allreduce_scalar(float(np.dot(shard, shard)))
+        norm = np.sqrt(sq)
+        if norm > clip:
+            net.param_diff *= net.param_diff.dtype.type(clip / norm)
+
+    # ---- snapshots: whole-size arrays from the shards, this rank's rows back
+    def snapshot_blob_arrays(self):
+        sharded = _sharded_layers(self.net)
+        if not sharded:
+            return None
+        full = {layer.name: [(gather_rows(self.comm, layer, b.data), None) for b in layer.blobs]
+                for layer in sharded}
+        return lambda layer: full.get(layer.name) or [(b.data, b.diff) for b in layer.blobs]
+
+    def snapshot_history(self):
+        if not _sharded_layers(self.net):
+            return self.history
+        n = len(self._learnable_layers)
+        out = []
+        for index, hist in enumerate(self.history):
+            layer, _k = self._learnable_layers[index % n]
+            out.append(gather_rows(self.comm, layer, hist)
+                       if getattr(layer, "sharded", False) else hist)
+        return out
+
+    def history_part(self, index, values):
+        layer, k = self._learnable_layers[index % len(self._learnable_layers)]
+        if getattr(layer, "sharded", False):
+            values = layer.local_part(k, values.reshape(layer.full_shape(k)))
+        return super().history_part(index, values)
+
+    def snapshot(self):
+        result = super().snapshot()
+        self.comm.barrier()
+        return result
