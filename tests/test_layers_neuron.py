@@ -71,6 +71,24 @@ def test_relu(slope, in_place):
     check_net_gradients(text, {"x": x})
 
 
+@pytest.mark.parametrize("slope", [0.0, 0.25])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_relu_chunked_passes(slope, in_place, monkeypatch):
+    """Chunks that do not divide the blob (last one short) give the one-shot formulas, with
+    Caffe's x > 0 test (0 and NaN go to the negative side in backward)."""
+    from caffepar.layers import neuron
+    monkeypatch.setattr(neuron, "CHUNK", 7)
+    text = net_text("ReLU", f"relu_param {{ negative_slope: {slope} }}", in_place=in_place)
+    x = randn()
+    x.flat[:3] = [0.0, np.nan, -0.0]
+    net, y = run_forward(text, x)
+    np.testing.assert_array_equal(y, np.maximum(x, 0) + slope * np.minimum(x, 0))
+    dy = randn(seed=1)
+    net.blobs["y"].diff[...] = dy
+    net.backward_from_to()
+    np.testing.assert_array_equal(net.blobs["x"].diff, dy * np.where(x > 0, 1, slope))
+
+
 # ---------------------------------------------------------------- PReLU
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("in_place", [False, True])
@@ -292,6 +310,28 @@ def test_dropout_seed_reproducible():
         net.forward_from_to()
         masks.append(net.blobs["y"].data.copy())
     np.testing.assert_array_equal(masks[0], masks[1])
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_dropout_chunked_mask_is_the_one_shot_draw(in_place, monkeypatch):
+    """Drawing the uniforms a chunk at a time continues the same random stream, so masks do
+    not depend on the chunk size."""
+    from caffepar.layers import neuron
+    monkeypatch.setattr(neuron, "CHUNK", 13)
+    ratio = 0.375
+    text = net_text("Dropout", f"dropout_param {{ dropout_ratio: {ratio} }}", in_place=in_place)
+    common.set_random_seed(9)
+    net = build(text, TRAIN, np.float32)
+    x = randn().astype(np.float32)
+    net.blobs["x"].data[...] = x
+    net.forward_from_to()
+    keep = np.random.default_rng(9).random(SHAPE, dtype=np.float32) >= np.float32(ratio)
+    scale = np.float32(1 / (1 - ratio))
+    np.testing.assert_array_equal(net.blobs["y"].data, x * keep * scale)
+    dy = randn(seed=4).astype(np.float32)
+    net.blobs["y"].diff[...] = dy
+    net.backward_from_to()
+    np.testing.assert_array_equal(net.blobs["x"].diff, dy * keep * scale)
 
 
 def test_dropout_rejects_bad_ratio():

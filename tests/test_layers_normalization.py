@@ -83,6 +83,47 @@ def test_lrn_within_channel(n, alpha, beta, k):
     check_net_gradients(text, {"x": x})
 
 
+def ref_lrn_across_backward(x, dy, n, alpha, beta, k):
+    """Caffe's across-channel backward written out from the chain rule."""
+    c = x.shape[1]
+    half = (n - 1) // 2
+    scale = np.empty_like(x)
+    for ch in range(c):
+        lo, hi = max(0, ch - half), min(c, ch + half + 1)
+        scale[:, ch] = k + alpha / n * (x[:, lo:hi] ** 2).sum(axis=1)
+    ratio = dy * x * scale ** -beta / scale
+    dx = dy * scale ** -beta
+    for ch in range(c):
+        lo, hi = max(0, ch - half), min(c, ch + half + 1)
+        dx[:, ch] -= 2 * alpha * beta / n * x[:, ch] * ratio[:, lo:hi].sum(axis=1)
+    return dx
+
+
+@pytest.mark.parametrize("block_bytes", [1, 1400, 1 << 30], ids=["1-image", "few-images", "all"])
+@pytest.mark.parametrize("shape,n,beta", [((5, 7, 3, 4), 5, 0.75), ((3, 2, 4, 3), 5, 0.75),
+                                          ((4, 6, 2, 5), 3, 0.5), ((3, 6, 3, 3), 5, 1.0),
+                                          ((3, 4, 3, 3), 1, 0.625)])
+def test_lrn_across_blocks_match_reference(shape, n, beta, block_bytes, monkeypatch):
+    """The image-blocked forward/backward (and its beta shortcuts) against the formulas,
+    including fewer channels than the window."""
+    from caffepar.layers import normalization
+    monkeypatch.setattr(normalization, "LRN_BLOCK_BYTES", block_bytes)
+    alpha, k = 1.5, 2.0
+    x = RNG.standard_normal(shape)
+    dy = RNG.standard_normal(shape)
+    text = net_text("LRN", shape, f"lrn_param {{ local_size: {n} alpha: {alpha} beta: {beta} "
+                                  f"k: {k} }}")
+    for dtype, rtol in ((np.float64, 1e-12), (np.float32, 2e-5)):
+        net = run(text, x.astype(dtype), dtype=dtype)
+        np.testing.assert_allclose(net.blobs["y"].data, ref_lrn_across(x, n, alpha, beta, k),
+                                   rtol=rtol, atol=rtol)
+        net.blobs["y"].diff[...] = dy
+        net.backward_from_to()
+        np.testing.assert_allclose(net.blobs["x"].diff,
+                                   ref_lrn_across_backward(x, dy, n, alpha, beta, k),
+                                   rtol=rtol, atol=rtol)
+
+
 def test_lrn_even_size_refused():
     with pytest.raises(CaffeparError, match="odd"):
         build(net_text("LRN", (1, 3, 2, 2), "lrn_param { local_size: 4 }"))

@@ -71,9 +71,10 @@ POINTWISE_DIRECT_MIN = 1024
 #: Band im2col: layers with Cg * kw below this fold all taps into one GEMM.
 BAND_FOLD_ALL = 64
 #: Bound on the band path's column block.
-BAND_BYTES = 4 << 20
-#: Python threads sharing the band path's blocks.
-BAND_THREADS = 2
+BAND_BYTES = 16 << 20
+#: Thin layers keep kh row-shifted copies of kw-tap columns and run one deep
+#: GEMM per output row on overlapping views (kh times fewer copies).
+BAND_STACKED = True
 
 
 # --------------------------------------------------------------------------
@@ -623,15 +624,17 @@ class _BandPlan:
         kh, kw = g.kernel
         dh = g.dilation[0]
         self.fold_all = c * kw < BAND_FOLD_ALL
-        if self.fold_all:
+        self.stacked = self.fold_all and BAND_STACKED and dh == 1 and kh > 1
+        if self.fold_all and not self.stacked:
             self.taps = [(i, j) for i in range(kh) for j in range(kw)]
             self.shifts = [0]
             self.halo = 0
         else:
             self.taps = [(0, j) for j in range(kw)]
-            self.shifts = [i * dh for i in range(kh)]
+            self.shifts = [0] if self.stacked else [i * dh for i in range(kh)]
             self.halo = (kh - 1) * dh
         self.k = len(self.taps) * c
+        self.depth = self.k * (kh if self.stacked else 1)
         ho, wo = g.out
         row = self.k * wo * isz
         budget = BAND_BYTES
@@ -674,9 +677,12 @@ def _band_fill(g, plan, x, n0, m, r0, rows, cols):
     sw = g.stride[1]
     wo = plan.wo
     prow = rows + plan.halo
-    v = cols[:, :prow * m * wo].reshape(len(plan.taps), c, prow, m, wo)
+    if plan.stacked:
+        v = cols[:prow * plan.k * m * wo].reshape(prow, len(plan.taps), c, m, wo)
+    else:
+        v = cols[:, :prow * m * wo].reshape(len(plan.taps), c, prow, m, wo)
     for t, (i, j) in enumerate(plan.taps):
-        d = v[t]
+        d = v[:, t].transpose(1, 0, 2, 3) if plan.stacked else v[t]
         first = r0 + i * dh - ph
         p_lo, p_hi = max(0, -first), min(prow, h - first)
         c0 = j * dw - pw
@@ -691,6 +697,32 @@ def _band_fill(g, plan, x, n0, m, r0, rows, cols):
         src = x[n0:n0 + m, :, first + p_lo:first + p_hi,
                 c0 + w_lo * sw:c0 + (w_hi - 1) * sw + 1:sw]
         np.copyto(d[:, p_lo:p_hi, :, w_lo:w_hi], src.transpose(1, 2, 0, 3))
+
+
+def _band_buffer(plan, dt):
+    if plan.stacked:
+        return _scratch("bcols", (plan.k * plan.ncols,), dt)
+    return _scratch("bcols", (plan.k, _padded_ld(plan.ncols, dt.itemsize)), dt)
+
+
+def _band_products(plan, cols, m, rows):
+    """(weight index, column operand, output columns c0:c1, accumulate) per GEMM.
+
+    Stacked buffers hold padded row p at offset p * k * m * wo, so the
+    full-depth column matrix of output row r is a strided view starting at
+    row r (row tap i of it lies i rows further): one deep GEMM per output row.
+    """
+    step = m * plan.wo
+    if plan.stacked:
+        isz = cols.itemsize
+        for r in range(rows):
+            view = np.lib.stride_tricks.as_strided(
+                cols[r * plan.k * step:], (plan.depth, step), (step * isz, isz))
+            yield 0, view, r * step, (r + 1) * step, False
+    else:
+        L = rows * step
+        for s, sh in enumerate(plan.shifts):
+            yield s, cols[:, sh * step:sh * step + L], 0, L, s > 0
 
 
 def _band_weights(w, plan):
@@ -709,37 +741,6 @@ def _band_dw(dwb, plan, w_shape):
     return np.ascontiguousarray(dwb.reshape(kh, o, kw, c).transpose(1, 3, 0, 2))
 
 
-def _split_run(blocks, work):
-    """Run work(blocks) split over BAND_THREADS Python threads; their results.
-
-    Each thread fills its own column buffers (the scratch is per thread) and
-    calls BLAS, which releases the GIL, so one thread's copies overlap the
-    other's GEMMs.
-    """
-    parts = max(1, min(BAND_THREADS, len(blocks)))
-    if parts == 1:
-        return [work(blocks)]
-    share = [blocks[i::parts] for i in range(parts)]
-    results = [None] * parts
-    errors = []
-
-    def run(i):
-        try:
-            results[i] = work(share[i])
-        except BaseException as e:  # re-raised in the caller
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(1, parts)]
-    for t in threads:
-        t.start()
-    run(0)
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
 def _band_forward(g, x, w, bias, y, dt):
     """y = conv(x, w) + bias through band im2col blocks, written into y."""
     n = x.shape[0]
@@ -749,15 +750,13 @@ def _band_forward(g, x, w, bias, y, dt):
     bshape = (1, o, 1, 1)
 
     def work(blocks):
-        cols = _scratch("bcols", (plan.k, _padded_ld(plan.ncols, dt.itemsize)), dt)
+        cols = _band_buffer(plan, dt)
         yb = _scratch("bout", (o, _padded_ld(plan.rows * plan.nb * plan.wo, dt.itemsize)), dt)
         for n0, m, r0, rows in blocks:
             _band_fill(g, plan, x, n0, m, r0, rows, cols)
-            step = m * plan.wo
-            L = rows * step
-            d = yb[:, :L]
-            for s, sh in enumerate(plan.shifts):
-                _gemm(wb[s], cols[:, sh * step:sh * step + L], d, beta=1.0 if s else 0.0)
+            d = yb[:, :rows * m * plan.wo]
+            for s, bv, c0, c1, acc in _band_products(plan, cols, m, rows):
+                _gemm(wb[s], bv, d[:, c0:c1], beta=1.0 if acc else 0.0)
             src = d.reshape(o, rows, m, plan.wo).transpose(2, 0, 1, 3)
             dst = y[n0:n0 + m, :, r0:r0 + rows]
             if bias is None:
@@ -765,7 +764,7 @@ def _band_forward(g, x, w, bias, y, dt):
             else:
                 np.add(src, bias.reshape(bshape), out=dst)
 
-    _split_run(list(plan.blocks(g, n)), work)
+    work(plan.blocks(g, n))
 
 
 def _band_backward(g, dy, x, w, need_db, dt):
@@ -775,29 +774,22 @@ def _band_backward(g, dy, x, w, need_db, dt):
     plan = _BandPlan(g, n, x.shape[1], dt.itemsize)
 
     def work(blocks):
-        cols = _scratch("bcols", (plan.k, _padded_ld(plan.ncols, dt.itemsize)), dt)
+        cols = _band_buffer(plan, dt)
         dyb = _scratch("bout", (o, _padded_ld(plan.rows * plan.nb * plan.wo, dt.itemsize)), dt)
-        dwb = np.zeros((len(plan.shifts), o, plan.k), dt)
+        dwb = np.zeros((len(plan.shifts), o, plan.depth), dt)
         db = np.zeros(o, dt) if need_db else None
         for n0, m, r0, rows in blocks:
             _band_fill(g, plan, x, n0, m, r0, rows, cols)
-            step = m * plan.wo
-            L = rows * step
-            d = dyb[:, :L]
+            d = dyb[:, :rows * m * plan.wo]
             np.copyto(d.reshape(o, rows, m, plan.wo),
                       dy[n0:n0 + m, :, r0:r0 + rows].transpose(1, 2, 0, 3))
-            for s, sh in enumerate(plan.shifts):
-                _gemm(d, cols[:, sh * step:sh * step + L], dwb[s], trans_b=True, beta=1.0)
+            for s, bv, c0, c1, _ in _band_products(plan, cols, m, rows):
+                _gemm(d[:, c0:c1], bv, dwb[s], trans_b=True, beta=1.0)
             if need_db:
                 db += d.sum(axis=1)
         return dwb, db
 
-    parts = _split_run(list(plan.blocks(g, n)), work)
-    dwb, db = parts[0]
-    for dwp, dbp in parts[1:]:
-        dwb += dwp
-        if need_db:
-            db += dbp
+    dwb, db = work(plan.blocks(g, n))
     return _band_dw(dwb, plan, w.shape), db
 
 

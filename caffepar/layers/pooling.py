@@ -34,10 +34,13 @@ def _index_dtype(n):
 
 
 def _phase_span(a, stride, pad, size, n):
-    """Phase rows [r0, r1) of phase `a` that hold image rows, and the first such image row."""
+    """The phase rows of phase `a` that hold image rows, and those image rows."""
     r0 = max(0, -((a - pad) // stride))
     r1 = max(r0, min(n, (size - 1 + pad - a) // stride + 1))
-    return r0, r1, a + r0 * stride - pad
+    if r1 == r0:
+        return slice(0, 0), slice(0, 0)
+    i0 = a + r0 * stride - pad
+    return slice(r0, r1), slice(i0, i0 + (r1 - r0 - 1) * stride + 1, stride)
 
 
 class PoolGeometry:
@@ -61,17 +64,16 @@ class PoolGeometry:
         self.cols = self.ow + (self.kw - 1) // self.sw
         self.span = self.rows * self.cols
         self.direct = self.rows == self.oh and self.cols == self.ow
-        phases = [(a, b) for a in range(min(self.sh, self.kh)) for b in range(min(self.sw, self.kw))]
+        phases = [(a, b) for a in range(min(self.sh, self.kh))
+                  for b in range(min(self.sw, self.kw))]
         self.fills = []
         covered_h = covered_w = 0
         for a, b in phases:
-            r0, r1, i0 = _phase_span(a, self.sh, self.ph, h, self.rows)
-            c0, c1, j0 = _phase_span(b, self.sw, self.pw, w, self.cols)
-            self.fills.append((slice(r0, r1), slice(c0, c1),
-                               slice(i0, i0 + (r1 - r0 - 1) * self.sh + 1, self.sh),
-                               slice(j0, j0 + (c1 - c0 - 1) * self.sw + 1, self.sw)))
-            covered_h += (r1 - r0) * (b == 0)
-            covered_w += (c1 - c0) * (a == 0)
+            rs, xr = _phase_span(a, self.sh, self.ph, h, self.rows)
+            cs, xc = _phase_span(b, self.sw, self.pw, w, self.cols)
+            self.fills.append((rs, cs, xr, xc))
+            covered_h += (rs.stop - rs.start) * (b == 0)
+            covered_w += (cs.stop - cs.start) * (a == 0)
         self.covers = covered_h == h and covered_w == w
         self.taps = [(i * self.kw + j, phases.index((i % self.sh, j % self.sw)),
                       (i // self.sh) * self.cols + j // self.sw, i < self.sh and j < self.sw)

@@ -116,6 +116,16 @@ class _ConvolutionBase(Layer):
     def _as_nc(self, array):
         return array.reshape((self.batch,) + array.shape[self.axis:])
 
+    def _nc_view(self, array, source):
+        """A (N, C, *S) view of a blob array for the kernels to write into, or None
+        if the array's layout has none or it overlaps the kernel's input (in place)."""
+        if np.may_share_memory(array, source):
+            return None
+        try:
+            return np.reshape(array, (self.batch,) + array.shape[self.axis:], copy=False)
+        except ValueError:
+            return None
+
     def _kernels(self):
         return self.stride, self.pad, self.dilation, self.group
 
@@ -124,8 +134,10 @@ class _ConvolutionBase(Layer):
         b = self.blobs[1].data if self.bias_term else None
         run = conv_math.deconv_forward if self.transposed else conv_math.conv_forward
         for bt, tp in zip(bottom, top):
-            y = run(self._as_nc(bt.data), w, b, *self._kernels())
-            tp.data[...] = y.reshape(tp.shape)
+            out = self._nc_view(tp.data, bt.data)
+            y = run(self._as_nc(bt.data), w, b, *self._kernels(), out=out)
+            if out is None:
+                tp.data[...] = y.reshape(tp.shape)
 
     def backward(self, top, propagate_down, bottom):
         run = conv_math.deconv_backward if self.transposed else conv_math.conv_backward
@@ -134,14 +146,15 @@ class _ConvolutionBase(Layer):
         for i, (bt, tp) in enumerate(zip(bottom, top)):
             if not (propagate_down[i] or need_w or need_b):
                 continue
+            dx_out = self._nc_view(bt.diff, tp.diff) if propagate_down[i] else None
             dx, dw, db = run(self._as_nc(tp.diff), self._as_nc(bt.data), self.blobs[0].data,
                              *self._kernels(), need_dx=bool(propagate_down[i]),
-                             need_dw=bool(need_w), need_db=bool(need_b))
+                             need_dw=bool(need_w), need_db=bool(need_b), dx_out=dx_out)
             if need_w:
                 self.blobs[0].diff += dw
             if need_b:
                 self.blobs[1].diff += db
-            if propagate_down[i]:
+            if propagate_down[i] and dx_out is None:
                 bt.diff[...] = dx.reshape(bt.shape)
 
 
