@@ -47,16 +47,42 @@ def cli(ctx, debug):
               default="TRAIN", show_default=True)
 @click.option("--level", default=0, type=int, help="Net state level.")
 @click.option("--stage", multiple=True, help="Net state stage (repeatable).")
+@click.option("--np", "ranks", default=None, type=click.IntRange(min=1),
+              help="Time a parallel run on this many MPI ranks (adds comm ms and MB).")
+@click.option("--parallel", "default_mode", default="hybrid", show_default=True,
+              type=click.Choice(["data", "hybrid"]))
+@click.option("--model-parallel", "model_parallel", default="")
+@click.option("--mp-threshold", default=None, type=click.IntRange(min=0))
+@click.option("--threads", default=None, type=click.IntRange(min=1),
+              help="BLAS threads per rank (default: cores / ranks).")
+@click.option("--mpiexec", default=None, help="The mpiexec to start ranks with.")
 @click.option("--gpu", default=None, hidden=True)
-def time_cmd(model, weights, iterations, phase, level, stage, gpu):
+@click.pass_context
+def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, default_mode,
+             model_parallel, mp_threshold, threads, mpiexec, gpu):
     """Time forward and backward of every layer, as `caffe time`."""
-    from caffepar.timing import benchmark, format_benchmark
     from caffepar.graph.net import Net
+    from caffepar.parallel.comm import launched_by_mpi, world_comm
+    from caffepar.timing import benchmark, format_benchmark
     _warn_gpu(gpu)
-    net = Net(model, phase=_phase(phase), level=level, stages=stage, weights=weights)
-    result = benchmark(net, iterations, progress=lambda i, ms: click.echo(
+    if ranks and ranks > 1 and not launched_by_mpi():
+        from caffepar.parallel.launch import relaunch, strip_option
+        sys.exit(relaunch(ranks, strip_option(ctx.obj["argv"], {"--np", "--mpiexec"}), threads,
+                          mpiexec))
+    comm = world_comm()
+    ctx.obj["comm"] = comm
+    extra = {}
+    if comm.size > 1:
+        from caffepar.parallel.model_parallel import layer_factory
+        from caffepar.parallel.plan import DEFAULT_THRESHOLD, Planner
+        planner = Planner(default_mode, [n for n in model_parallel.split(",") if n],
+                          DEFAULT_THRESHOLD if mp_threshold is None else mp_threshold)
+        extra = {"shard": (comm.rank, comm.size), "layer_factory": layer_factory(comm, planner)}
+    net = Net(model, phase=_phase(phase), level=level, stages=stage, weights=weights, **extra)
+    say = click.echo if comm.rank == 0 else (lambda *a, **k: None)
+    result = benchmark(net, iterations, comm=comm, progress=lambda i, ms: say(
         f"Iteration: {i} forward-backward time: {ms:.2f} ms."))
-    click.echo(format_benchmark(net, result))
+    say(format_benchmark(net, result))
 
 
 @cli.command("train")

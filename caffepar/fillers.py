@@ -29,11 +29,22 @@ def _constant(f, shape, rng):
 
 
 def _uniform(f, shape, rng):
-    return rng.uniform(f.min, f.max, shape)
+    values = rng.random(shape, dtype=np.float32)
+    values *= np.float32(f.max - f.min)
+    values += np.float32(f.min)
+    return values
+
+
+def _normal(mean, std, shape, rng):
+    """Normal draws made in float32 (twice as fast as float64 for big blobs)."""
+    values = rng.standard_normal(shape, dtype=np.float32)
+    values *= np.float32(std)
+    values += np.float32(mean)
+    return values
 
 
 def _gaussian(f, shape, rng):
-    values = rng.normal(f.mean, f.std, shape)
+    values = _normal(f.mean, f.std, shape, rng)
     if f.sparse >= 0:
         if len(shape) < 1 or shape[0] == 0:
             raise ValueError("sparse gaussian filler needs a blob with at least one axis")
@@ -51,12 +62,15 @@ def _positive_unitball(f, shape, rng):
 
 def _xavier(f, shape, rng):
     scale = math.sqrt(3.0 / _variance_n(f, shape))
-    return rng.uniform(-scale, scale, shape)
+    values = rng.random(shape, dtype=np.float32)
+    values *= np.float32(2 * scale)
+    values -= np.float32(scale)
+    return values
 
 
 def _msra(f, shape, rng):
     std = math.sqrt(2.0 / _variance_n(f, shape))
-    return rng.normal(0.0, std, shape)
+    return _normal(0.0, std, shape, rng)
 
 
 def _bilinear(f, shape, rng):

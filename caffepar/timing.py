@@ -1,4 +1,5 @@
-"""`caffepar time`: per-layer forward and backward timing in the shape of `caffe time`."""
+"""`caffepar time`: per-layer forward and backward timing in the shape of `caffe time`; in a
+parallel run also each layer's communication (ms and MB) and the gradient allreduce."""
 import time
 from dataclasses import dataclass, field
 
@@ -12,17 +13,31 @@ class Benchmark:
     backward_ms: np.ndarray
     iteration_ms: list = field(default_factory=list)
     total_ms: float = 0.0
+    comm_ms: dict = field(default_factory=dict)
+    comm_mb: dict = field(default_factory=dict)
+    ranks: int = 1
 
 
-def benchmark(net, iterations, progress=None):
+def _reduce_gradients(net, comm):
+    """What a data-parallel iteration adds after backward: one allreduce of the replicated
+    gradients (the model-parallel shards need none)."""
+    comm.allreduce_sum(net.param_diff[:net.replicated_count], tag="(gradient allreduce)")
+    net.param_diff *= net.param_diff.dtype.type(1.0 / comm.size)
+
+
+def benchmark(net, iterations, progress=None, comm=None):
     """Run `iterations` forward+backward passes layer by layer, timing each layer. Backward runs
-    for every layer as in Caffe's tool, bottoms getting diffs only where the net needs them."""
+    for every layer as in Caffe's tool, bottoms getting diffs only where the net needs them.
+    Communication inside a layer is counted in its time and also reported on its own."""
     n = len(net.layers)
     fwd = np.zeros(n)
     bwd = np.zeros(n)
     laps = []
     clock = time.perf_counter
     net.forward_from_to()
+    if comm is not None:
+        comm.barrier()
+        comm.stats.reset()
     start_all = clock()
     for it in range(iterations):
         start = clock()
@@ -37,23 +52,42 @@ def benchmark(net, iterations, progress=None):
             net.layers[i].backward(net._blobs_of(net.top_ids[i]), net.bottom_need_backward[i],
                                    net._blobs_of(net.bottom_ids[i]))
             bwd[i] += clock() - t0
+        if comm is not None and comm.size > 1:
+            _reduce_gradients(net, comm)
         laps.append((clock() - start) * 1e3)
         if progress:
             progress(it + 1, laps[-1])
     total = (clock() - start_all) * 1e3
-    return Benchmark(iterations, fwd * 1e3 / iterations, bwd * 1e3 / iterations, laps, total)
+    result = Benchmark(iterations, fwd * 1e3 / iterations, bwd * 1e3 / iterations, laps, total)
+    if comm is not None:
+        result.ranks = comm.size
+        for (tag, _op), (seconds, nbytes, _calls) in comm.stats.take().items():
+            result.comm_ms[tag] = result.comm_ms.get(tag, 0.0) + seconds * 1e3 / iterations
+            result.comm_mb[tag] = result.comm_mb.get(tag, 0.0) + nbytes / 2 ** 20 / iterations
+    return result
 
 
 def format_benchmark(net, result):
     width = max([10] + [len(name) for name in net._layer_names])
     lines = ["Average time per layer:"]
     for name, f, b in zip(net._layer_names, result.forward_ms, result.backward_ms):
+        comm = ""
+        if name in result.comm_ms:
+            comm = f"\tcomm: {result.comm_ms[name]:.4f} ms, {result.comm_mb[name]:.3f} MB"
         lines.append(f"{name:>{width}}\tforward: {f:.4f} ms.")
-        lines.append(f"{name:>{width}}\tbackward: {b:.4f} ms.")
+        lines.append(f"{name:>{width}}\tbackward: {b:.4f} ms.{comm}")
     fsum, bsum = result.forward_ms.sum(), result.backward_ms.sum()
     lines += [f"Average Forward pass: {fsum:.4f} ms.",
-              f"Average Backward pass: {bsum:.4f} ms.",
-              f"Average Forward-Backward: {np.mean(result.iteration_ms):.4f} ms.",
+              f"Average Backward pass: {bsum:.4f} ms."]
+    if result.ranks > 1:
+        reduce_ms = result.comm_ms.get("(gradient allreduce)", 0.0)
+        reduce_mb = result.comm_mb.get("(gradient allreduce)", 0.0)
+        comm_ms = sum(result.comm_ms.values())
+        comm_mb = sum(result.comm_mb.values())
+        lines += [f"Average gradient allreduce: {reduce_ms:.4f} ms, {reduce_mb:.3f} MB.",
+                  f"Average communication ({result.ranks} ranks): {comm_ms:.4f} ms, "
+                  f"{comm_mb:.3f} MB per iteration."]
+    lines += [f"Average Forward-Backward: {np.mean(result.iteration_ms):.4f} ms.",
               f"Total Time: {result.total_ms:.4f} ms.",
               "*** Benchmark ends ***"]
     return "\n".join(lines)

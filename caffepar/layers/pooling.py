@@ -84,15 +84,14 @@ class PoolGeometry:
 
     def buffers(self, kind, dtype, fill):
         """Per-block scratch, made once: the phases (fill outside the image), then in the padded
-        output layout a float, an index, a boolean mask, and float and index temporaries."""
+        output layout a zeroed float buffer, a boolean mask, and float and index temporaries."""
         key = (kind, np.dtype(dtype), fill)
         if key not in self._buffers:
             shape = (self.block, self.rows, self.cols)
-            index = _index_dtype(self.kh * self.kw)
             self._buffers[key] = (np.full((len(self.fills),) + shape, fill, dtype),
-                                  np.zeros(shape, dtype), np.zeros(shape, index),
-                                  np.empty(shape, bool), np.empty(shape, dtype),
-                                  np.empty(shape, index))
+                                  np.zeros(shape, dtype), np.empty(shape, bool),
+                                  np.empty(shape, dtype),
+                                  np.empty(shape, _index_dtype(self.kh * self.kw)))
         return self._buffers[key]
 
     def blocks(self, n_planes):
@@ -135,7 +134,7 @@ def max_pool_forward(g, x, out):
     (N, C, OH, OW) view). Like Caffe's strict '>' scan from -FLT_MAX: NaNs never win and ties
     keep the first cell in row-major window order. Offsets grow along the scan, so the last
     strict improvement is the largest offset that improved: arg = max_k(k * improved_k)."""
-    phases, best, _, hit, _, step = g.buffers("max", x.dtype, -np.inf)
+    phases, best, hit, _, step = g.buffers("max", x.dtype, -np.inf)
     x3, y3 = g.planes(x, g.h, g.w), g.planes(out, g.oh, g.ow)
     args = np.empty((len(x3), g.rows, g.cols), _index_dtype(g.kh * g.kw))
     flat = phases.reshape(len(phases), -1)
@@ -180,7 +179,7 @@ def max_pool_mask(g, arg):
 
 def max_pool_backward(g, arg, dy, dx):
     """Route dy to the winners; `arg` as max_pool_forward returned it."""
-    grads, dys, _, hit, tmp, _ = g.buffers("max_grad", dx.dtype, 0)
+    grads, dys, hit, tmp, _ = g.buffers("max_grad", dx.dtype, 0)
     dy3, dx3 = g.planes(dy, g.oh, g.ow), g.planes(dx, g.h, g.w)
     flat = grads.reshape(len(grads), -1)
     for p0, p1 in g.blocks(len(dx3)):
