@@ -49,7 +49,8 @@ def setup_logging(log_file=None, quiet=False, prefix="", enabled=True):
 
 
 class CsvWriter:
-    """One row per training iteration: iter, loss, lr, seconds and any test outputs."""
+    """One row per training iteration: iter, loss, lr, seconds and any test outputs, with
+    float32 values at the 7 significant digits they hold."""
 
     def __init__(self, path):
         self.path = path
@@ -67,7 +68,9 @@ class CsvWriter:
         with open(tmp, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore")
             w.writeheader()
-            w.writerows(self.rows)
+            for row in self.rows:
+                w.writerow({k: format(v, ".7g") if isinstance(v, float) else v
+                            for k, v in row.items()})
         os.replace(tmp, self.path)
 
 
