@@ -72,6 +72,8 @@ POINTWISE_DIRECT_MIN = 1024
 BAND_FOLD_ALL = 64
 #: Bound on the band path's column block.
 BAND_BYTES = 16 << 20
+#: Bound on the band path's output block (its transposition stays in cache).
+BAND_OUT_BYTES = 4 << 20
 #: Thin layers keep kh row-shifted copies of kw-tap columns and run one deep
 #: GEMM per output row on overlapping views (kh times fewer copies).
 BAND_STACKED = True
@@ -603,8 +605,11 @@ def _cols_backward(g, dy, x, w, dx, group, need_dw, need_db, dt):
 # --------------------------------------------------------------------------
 
 def _use_band(g, group):
-    """The band layout needs 2-D, one group and unit row stride."""
-    return g.nd == 2 and group == 1 and g.stride[0] == 1
+    """Band im2col for small 2-D images (large ones are better off with a
+    GEMM per image written straight into y): needs one group and unit row
+    stride."""
+    return (g.nd == 2 and group == 1 and g.stride[0] == 1
+            and math.prod(g.out) < COLS_DIRECT_MIN)
 
 
 class _BandPlan:
@@ -620,7 +625,7 @@ class _BandPlan:
     plus the kernel's halo, within BAND_BYTES.
     """
 
-    def __init__(self, g, n, c, isz):
+    def __init__(self, g, n, c, o, isz):
         kh, kw = g.kernel
         dh = g.dilation[0]
         self.fold_all = c * kw < BAND_FOLD_ALL
@@ -640,7 +645,8 @@ class _BandPlan:
         budget = BAND_BYTES
         if (ho + self.halo) * row <= budget:
             self.rows = ho
-            nb = max(1, min(n, budget // ((ho + self.halo) * row)))
+            nb = max(1, min(n, budget // ((ho + self.halo) * row),
+                            BAND_OUT_BYTES // (o * ho * wo * isz)))
             self.nb = -(-n // -(-n // nb))
         else:
             self.nb = 1
@@ -745,7 +751,7 @@ def _band_forward(g, x, w, bias, y, dt):
     """y = conv(x, w) + bias through band im2col blocks, written into y."""
     n = x.shape[0]
     o = w.shape[0]
-    plan = _BandPlan(g, n, x.shape[1], dt.itemsize)
+    plan = _BandPlan(g, n, x.shape[1], o, dt.itemsize)
     wb = _band_weights(w, plan)
     bshape = (1, o, 1, 1)
 
@@ -771,7 +777,7 @@ def _band_backward(g, dy, x, w, need_db, dt):
     """(dw, db or None) through the same blocks as _band_forward."""
     n = x.shape[0]
     o = w.shape[0]
-    plan = _BandPlan(g, n, x.shape[1], dt.itemsize)
+    plan = _BandPlan(g, n, x.shape[1], o, dt.itemsize)
 
     def work(blocks):
         cols = _band_buffer(plan, dt)
