@@ -27,7 +27,8 @@ def test_caffe_flag_spellings():
 
 @pytest.mark.parametrize("model", ["cifar10_quick/train_val_dummy.prototxt",
                                    "cifar10_quick/deploy.prototxt",
-                                   "alexnet/deploy.prototxt"])
+                                   "alexnet/deploy.prototxt",
+                                   "vgg16/train_val_dummy.prototxt"])
 def test_time_prints_caffe_table(model, capsys):
     code, out, err = run(["time", "-model", str(ROOT / "models" / model), "-iterations", "1"],
                          capsys)

@@ -72,8 +72,6 @@ POINTWISE_DIRECT_MIN = 1024
 BAND_FOLD_ALL = 64
 #: Bound on the band path's column block.
 BAND_BYTES = 16 << 20
-#: Bound on the band path's output block (its transposition stays in cache).
-BAND_OUT_BYTES = 4 << 20
 #: Thin layers keep kh row-shifted copies of kw-tap columns and run one deep
 #: GEMM per output row on overlapping views (kh times fewer copies).
 BAND_STACKED = True
@@ -645,8 +643,7 @@ class _BandPlan:
         budget = BAND_BYTES
         if (ho + self.halo) * row <= budget:
             self.rows = ho
-            nb = max(1, min(n, budget // ((ho + self.halo) * row),
-                            BAND_OUT_BYTES // (o * ho * wo * isz)))
+            nb = max(1, min(n, budget // ((ho + self.halo) * row)))
             self.nb = -(-n // -(-n // nb))
         else:
             self.nb = 1

@@ -133,7 +133,23 @@ class ParallelSolverMixin:
             comm.allreduce_sum(net.param_diff[:net.replicated_count], tag="DATA params")
             net.param_diff *= net.param_diff.dtype.type(1.0 / comm.size)
             self._clip_global()
+            display = self.param.display
+            if display and self.iter % display == 0:
+                self._log_comm()
         super().on_gradients_ready()
+
+    def _log_comm(self):
+        """Communication since the last display: time and volume, gradient reduction apart
+        from the model-parallel layers' exchanges."""
+        stats = self.comm.stats.take()
+        seconds = sum(v[0] for v in stats.values())
+        mb = sum(v[1] for v in stats.values()) / 2 ** 20
+        reduce_s = sum(v[0] for (tag, _op), v in stats.items() if tag == "DATA params")
+        layers_s = sum(v[0] for (tag, _op), v in stats.items()
+                       if tag not in ("DATA params", "outputs"))
+        LOGGER.info(f"    comm: {seconds * 1e3:.1f} ms, {mb:.1f} MB since the last display "
+                    f"(gradient allreduce {reduce_s * 1e3:.1f} ms, model-parallel layers "
+                    f"{layers_s * 1e3:.1f} ms)")
 
     def _clip_global(self):
         """clip_gradients over the whole model: shards' squares summed across ranks first.
