@@ -1,13 +1,14 @@
 """Convolution forward+backward speed on VGG-16 and cifar10_quick conv layers.
 
 For every layer it times conv_forward plus conv_backward with dx, dw and db
-all requested (the real nets may skip dx on their first layer; here it is
-always measured and counted), and compares the rate with NumPy's float32
-matrix product of 2048x2048 measured on the same machine right before.
+all requested (with --as-net, first layers skip dx as in the real nets),
+writing into preallocated outputs as the layers do (out=, dx_out=), and
+compares the rate with NumPy's float32 matrix product of 2048x2048 measured
+on the same machine right before.
 
-FLOPs per layer = 3 * 2 * N * O * (C/group) * prod(K) * prod(S_out).
+FLOPs per layer = (3 or 2) * 2 * N * O * (C/group) * prod(K) * prod(S_out).
 
-Usage: python scripts/bench_conv.py [--net vgg|cifar|all] [--repeat R]
+Usage: python scripts/bench_conv.py [--net vgg|cifar|all] [--repeat R] [--as-net]
 """
 
 import argparse
@@ -59,7 +60,7 @@ def sgemm_rate(repeat=5):
     return 2 * 2048 ** 3 / best_time(lambda: np.dot(a, a), repeat) / 1e9
 
 
-def bench_layer(n, c, o, size, k, pad, repeat):
+def bench_layer(n, c, o, size, k, pad, repeat, need_dx=True):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, c, size, size), dtype=np.float32)
     w = rng.standard_normal((o, c, k, k), dtype=np.float32) * 0.05
@@ -67,14 +68,14 @@ def bench_layer(n, c, o, size, k, pad, repeat):
     conv = ((1, 1), (pad, pad), (1, 1), 1)
     y = cm.conv_forward(x, w, b, *conv)
     dy = rng.standard_normal(y.shape, dtype=np.float32)
-    del y
+    dx = np.empty_like(x) if need_dx else None
 
     def step():
-        cm.conv_forward(x, w, b, *conv)
-        cm.conv_backward(dy, x, w, *conv)
+        cm.conv_forward(x, w, b, *conv, out=y)
+        cm.conv_backward(dy, x, w, *conv, need_dx=need_dx, dx_out=dx)
 
     t = best_time(step, repeat)
-    flops = 3 * 2 * n * o * c * k * k * dy.shape[2] * dy.shape[3]
+    flops = (2 + need_dx) * 2 * n * o * c * k * k * dy.shape[2] * dy.shape[3]
     return t, flops / t / 1e9
 
 
@@ -82,21 +83,31 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--net", choices=("vgg", "cifar", "all"), default="all")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--as-net", action="store_true",
+                    help="skip dx on each net's first layer, as training does")
     args = ap.parse_args()
     layers = (VGG16 if args.net in ("vgg", "all") else []) + \
              (CIFAR10_QUICK if args.net in ("cifar", "all") else [])
     ref = sgemm_rate()
     print(f"NumPy SGEMM 2048x2048 float32: {ref:.1f} GFLOP/s")
-    print("forward + backward (dx, dw, db all computed, also on first layers)")
+    print("forward + backward (" + ("no dx on first layers, as in the nets)" if args.as_net
+                                     else "dx, dw, db all computed, also on first layers)"))
     print(f"{'layer':<12} {'batch':>5} {'C->O':>9} {'size':>5} {'k':>3} "
           f"{'time ms':>9} {'GFLOP/s':>8} {'% SGEMM':>8}")
     pcts = []
+    totals = {}
     for name, n, c, o, size, k, pad in layers:
-        t, rate = bench_layer(n, c, o, size, k, pad, args.repeat)
+        first = name in ("conv1_1", "cifar conv1")
+        t, rate = bench_layer(n, c, o, size, k, pad, args.repeat,
+                              need_dx=not (args.as_net and first))
         pct = 100 * rate / ref
         pcts.append(pct)
+        net = "cifar10_quick" if name.startswith("cifar") else "VGG-16"
+        totals[net] = totals.get(net, 0.0) + t
         print(f"{name:<12} {n:>5} {f'{c}->{o}':>9} {size:>5} {k:>3} "
               f"{1e3 * t:>9.1f} {rate:>8.1f} {pct:>7.1f}%", flush=True)
+    for net, t in totals.items():
+        print(f"{net} convolutions together: {1e3 * t:.1f} ms")
     ref2 = sgemm_rate()
     print(f"average {sum(pcts) / len(pcts):.1f}% of SGEMM, minimum {min(pcts):.1f}% "
           f"(SGEMM re-measured after the run: {ref2:.1f} GFLOP/s)")

@@ -364,12 +364,12 @@ def test_band_folds_and_blocks(cs, fold_all, blocks, monkeypatch):
     args = cs[5:]
     g = cm._Geom(x.shape[2:], w.shape[2:], *args[:3])
     assert cm._use_band(g, args[3]) and cm._use_cols(g, w.shape[1], w.shape[0], args[3])
-    plan = cm._BandPlan(g, x.shape[0], x.shape[1], w.shape[0], 8)
-    row = plan.k * plan.wo * 8
+    plan = cm._BandPlan(g, x.shape[0], x.shape[1], 8)
+    row = (plan.k + (plan.depth if fold_all else 0)) * plan.wo * 8
     budget = {"one row": 1, "row bands": (2 + plan.halo) * row,
               "image batches": 2 * (g.out[0] + plan.halo) * row, "whole": 1 << 30}[blocks]
     monkeypatch.setattr(cm, "BAND_BYTES", budget)
-    plan = cm._BandPlan(g, x.shape[0], x.shape[1], w.shape[0], 8)
+    plan = cm._BandPlan(g, x.shape[0], x.shape[1], 8)
     assert plan.fold_all == fold_all
     assert (plan.nb, plan.rows) == {"one row": (1, 1), "row bands": (1, 2),
                                     "image batches": (2, g.out[0]),

@@ -17,10 +17,17 @@ layer shape (``_use_cols``):
   layer, or small images where the grid's garbage share is large). Columns
   are built in bounded blocks and the bias rides along as a row of ones; for
   large images each image's GEMM writes y (and reads dy) in place.
+* Band im2col for small 2-D images with few channels (e.g. CIFAR-sized
+  layers): columns span a whole batch of images, so GEMMs are long however
+  small the image; only the kw column taps are gathered from x, and the kh
+  row taps are row-shifted views of (or block copies from) that buffer (see
+  ``_BandPlan``). dx is the same path run on dy with flipped kernels.
 
 Temporary workspace is bounded: images are processed in chunks
-(``WORKSPACE_BYTES``), column buffers in blocks (``COLS_BYTES``), and the
-work arrays are reused across calls (``release_workspace`` frees them).
+(``WORKSPACE_BYTES``), column buffers in blocks (``COLS_BYTES``,
+``BAND_BYTES``), and the work arrays are reused across calls
+(``release_workspace`` frees them). Results can be written into the caller's
+arrays (``out=``, ``dx_out=``), which saves the layer a copy.
 
 GEMMs go through SciPy's exported BLAS (``scipy.linalg.cython_blas``) called
 with ctypes, because the f2py wrappers in ``scipy.linalg.blas`` copy any view
@@ -68,13 +75,10 @@ COLS_DIRECT_MIN = 4096
 COLS_SHORT_ROW = 32
 #: 1x1 unpadded stride-1 convs on images this large are one GEMM per image.
 POINTWISE_DIRECT_MIN = 1024
-#: Band im2col: layers with Cg * kw below this fold all taps into one GEMM.
+#: Band im2col: layers with Cg * kw below this fold all taps into one deep GEMM.
 BAND_FOLD_ALL = 64
 #: Bound on the band path's column block.
-BAND_BYTES = 16 << 20
-#: Thin layers keep kh row-shifted copies of kw-tap columns and run one deep
-#: GEMM per output row on overlapping views (kh times fewer copies).
-BAND_STACKED = True
+BAND_BYTES = 8 << 20
 
 
 # --------------------------------------------------------------------------
@@ -611,68 +615,89 @@ def _use_band(g, group):
 
 
 class _BandPlan:
-    """Blocking of the band im2col path.
+    """Blocking and layout of the band im2col path.
 
-    Columns are laid out (row, image, column) so that every copy into or out
-    of the layout moves whole output rows, and the batch makes the GEMMs long
-    even for 8x8 images. Thin layers (Cg * kw < BAND_FOLD_ALL) fold every
-    tap into the GEMM depth; wider ones fold only the kw column taps, and
-    each of the kh row taps is a GEMM on the same buffer shifted by whole
-    rows (beta=1), which copies kh times less than a full im2col at the same
-    GEMM speed. Blocks hold nb images, or for large images a band of rows
-    plus the kernel's halo, within BAND_BYTES.
+    Only the kw column taps are copied from x (k = kw * C rows per padded
+    row); the kh row taps reuse those copies shifted by whole rows:
+
+    * wide layers (C * kw >= BAND_FOLD_ALL, e.g. 32 channels 5x5): columns
+      ordered (row, image, column), so a row shift is one offset for the whole
+      block and each row tap is a depth-k GEMM on a shifted view, accumulated
+      with beta=1 -- kh times fewer copies than a full im2col at about the
+      same GEMM speed, and the batch makes GEMMs long even for 8x8 images;
+    * thin layers (e.g. the RGB input), whose depth-k GEMMs would be too thin:
+      columns ordered (image, row, column); the kh row-shifted slices are
+      block-copied (runs of whole images) into one kh*k-deep matrix, and the
+      output and dy move to and from NCHW in runs of whole images.
+
+    Blocks hold nb images, or for large images a band of rows plus the
+    kernel's halo, within BAND_BYTES.
     """
 
-    def __init__(self, g, n, c, o, isz):
+    def __init__(self, g, n, c, isz):
         kh, kw = g.kernel
-        dh = g.dilation[0]
         self.fold_all = c * kw < BAND_FOLD_ALL
-        self.stacked = self.fold_all and BAND_STACKED and dh == 1 and kh > 1
-        if self.fold_all and not self.stacked:
-            self.taps = [(i, j) for i in range(kh) for j in range(kw)]
-            self.shifts = [0]
-            self.halo = 0
-        else:
-            self.taps = [(0, j) for j in range(kw)]
-            self.shifts = [0] if self.stacked else [i * dh for i in range(kh)]
-            self.halo = (kh - 1) * dh
-        self.k = len(self.taps) * c
-        self.depth = self.k * (kh if self.stacked else 1)
+        self.row_step = g.dilation[0]
+        self.halo = (kh - 1) * self.row_step
+        self.k = kw * c
+        self.depth = self.k * (kh if self.fold_all else 1)
+        self.nshifts = 1 if self.fold_all else kh
         ho, wo = g.out
-        row = self.k * wo * isz
-        budget = BAND_BYTES
-        if (ho + self.halo) * row <= budget:
+        # Bytes per (image, output row) of the column buffers.
+        per_row = (self.k + (self.depth if self.fold_all else 0)) * wo * isz
+        whole = (ho + self.halo) * per_row
+        if whole <= BAND_BYTES:
             self.rows = ho
-            nb = max(1, min(n, budget // ((ho + self.halo) * row)))
+            nb = max(1, min(n, BAND_BYTES // whole))
             self.nb = -(-n // -(-n // nb))
         else:
             self.nb = 1
-            rows = max(1, min(ho, budget // row - self.halo))
+            rows = max(1, min(ho, BAND_BYTES // per_row - self.halo))
             self.rows = -(-ho // -(-ho // rows))
         self.wo = wo
-        self.ncols = (self.rows + self.halo) * self.nb * wo
 
     def blocks(self, g, n):
         for n0 in range(0, n, self.nb):
             for r0 in range(0, g.out[0], self.rows):
                 yield n0, min(self.nb, n - n0), r0, min(self.rows, g.out[0] - r0)
 
+    def out_shape(self, o, m, rows):
+        """Shape of a block's GEMM output (and of dy for it)."""
+        return (o, m, rows, self.wo) if self.fold_all else (o, rows, m, self.wo)
+
+    def to_nchw(self, a):
+        """Block layout -> (m, O, rows, wo) view."""
+        return a.swapaxes(0, 1) if self.fold_all else a.transpose(2, 0, 1, 3)
+
 
 def _padded_ld(cols, isz):
     """A row length >= cols whose byte size is an odd multiple of 64.
 
-    Rows that are a multiple of a large power of two apart (e.g. 1024
-    floats) map to the same cache sets, and the GEMM's packing of such
-    operands ran over 10x slower.
+    Rows a multiple of a large power of two apart (e.g. 1024 floats) map to
+    the same cache sets, which can slow the GEMM's packing of the operand.
     """
     lines = -(-cols * isz // 64)
     lines += 1 - lines % 2
     return max(cols, lines * 64 // isz)
 
 
-def _band_fill(g, plan, x, n0, m, r0, rows, cols):
-    """cols[(tap, c), p, image, col] = zero-padded x under the tap, for
-    padded rows r0 + p (p < rows + halo), images n0 .. n0+m."""
+def _band_buffers(plan, dt):
+    """(kw-tap copies, deep column matrix or None), per-thread scratch."""
+    span = (plan.rows + plan.halo) * plan.nb * plan.wo
+    taps = _scratch("btaps", (plan.k, _padded_ld(span, dt.itemsize)), dt)
+    deep = None
+    if plan.fold_all:
+        # A last row of ones carries the bias (forward) and gives db (backward).
+        deep = _scratch("bcols", (plan.depth + 1, _padded_ld(plan.rows * plan.nb * plan.wo,
+                                                             dt.itemsize)), dt)
+        deep[-1] = 1
+    return taps, deep
+
+
+def _band_fill(g, plan, x, n0, m, r0, rows, taps, deep):
+    """Column operands of one block: taps[(j, c), ...] = zero-padded x under
+    column tap j, over padded rows r0 .. r0+rows+halo of images n0 .. n0+m;
+    for thin layers also deep[(i, j, c), image, row, col] from its row shifts."""
     c = x.shape[1]
     h, w = g.in_sp
     ph, pw = g.pad
@@ -680,14 +705,15 @@ def _band_fill(g, plan, x, n0, m, r0, rows, cols):
     sw = g.stride[1]
     wo = plan.wo
     prow = rows + plan.halo
-    if plan.stacked:
-        v = cols[:prow * plan.k * m * wo].reshape(prow, len(plan.taps), c, m, wo)
-    else:
-        v = cols[:, :prow * m * wo].reshape(len(plan.taps), c, prow, m, wo)
-    for t, (i, j) in enumerate(plan.taps):
-        d = v[:, t].transpose(1, 0, 2, 3) if plan.stacked else v[t]
-        first = r0 + i * dh - ph
-        p_lo, p_hi = max(0, -first), min(prow, h - first)
+    kw = g.kernel[1]
+    if plan.fold_all:       # (tap, c, image, row, col)
+        v = taps[:, :m * prow * wo].reshape(kw, c, m, prow, wo).transpose(0, 1, 3, 2, 4)
+    else:                   # (tap, c, row, image, col)
+        v = taps[:, :prow * m * wo].reshape(kw, c, prow, m, wo)
+    first = r0 - ph
+    p_lo, p_hi = max(0, -first), min(prow, h - first)
+    for j in range(kw):
+        d = v[j]            # (c, row, image, col) view
         c0 = j * dw - pw
         w_lo, w_hi = max(0, -(c0 // sw)), min(wo, (w - 1 - c0) // sw + 1)
         if p_lo >= p_hi or w_lo >= w_hi:
@@ -700,47 +726,43 @@ def _band_fill(g, plan, x, n0, m, r0, rows, cols):
         src = x[n0:n0 + m, :, first + p_lo:first + p_hi,
                 c0 + w_lo * sw:c0 + (w_hi - 1) * sw + 1:sw]
         np.copyto(d[:, p_lo:p_hi, :, w_lo:w_hi], src.transpose(1, 2, 0, 3))
+    if plan.fold_all:
+        tv = taps[:, :m * prow * wo].reshape(plan.k, m, prow, wo)
+        dv = deep[:-1, :m * rows * wo].reshape(g.kernel[0], plan.k, m, rows, wo)
+        for i in range(g.kernel[0]):
+            np.copyto(dv[i], tv[:, :, i * dh:i * dh + rows])
 
 
-def _band_buffer(plan, dt):
-    if plan.stacked:
-        return _scratch("bcols", (plan.k * plan.ncols,), dt)
-    return _scratch("bcols", (plan.k, _padded_ld(plan.ncols, dt.itemsize)), dt)
-
-
-def _band_products(plan, cols, m, rows):
-    """(weight index, column operand, output columns c0:c1, accumulate) per GEMM.
-
-    Stacked buffers hold padded row p at offset p * k * m * wo, so the
-    full-depth column matrix of output row r is a strided view starting at
-    row r (row tap i of it lies i rows further): one deep GEMM per output row.
-    """
+def _band_products(plan, taps, deep, m, rows):
+    """(weight index, column operand) of each GEMM of a block; every one of
+    them spans all the block's output columns (row taps accumulate)."""
     step = m * plan.wo
-    if plan.stacked:
-        isz = cols.itemsize
-        for r in range(rows):
-            view = np.lib.stride_tricks.as_strided(
-                cols[r * plan.k * step:], (plan.depth, step), (step * isz, isz))
-            yield 0, view, r * step, (r + 1) * step, False
+    L = rows * step
+    if plan.fold_all:
+        yield 0, deep[:, :L]        # with the ones row
     else:
-        L = rows * step
-        for s, sh in enumerate(plan.shifts):
-            yield s, cols[:, sh * step:sh * step + L], 0, L, s > 0
+        for s in range(plan.nshifts):
+            off = s * plan.row_step * step
+            yield s, taps[:, off:off + L]
 
 
-def _band_weights(w, plan):
-    """(O, C, kh, kw) -> (shifts, O, K) with K ordered (tap, channel)."""
+def _band_weights(w, plan, bias=None):
+    """(O, C, kh, kw) -> (shifts, O, depth) with depth ordered (i, j, c);
+    thin layers get the bias as an extra last column."""
     o, c, kh, kw = w.shape
     wt = w.transpose(0, 2, 3, 1)                      # (O, kh, kw, C)
     if plan.fold_all:
-        return np.ascontiguousarray(wt).reshape(1, o, kh * kw * c)
+        wb = np.empty((1, o, kh * kw * c + 1), w.dtype)
+        wb[0, :, :-1] = wt.reshape(o, -1)
+        wb[0, :, -1] = 0 if bias is None else bias
+        return wb
     return np.ascontiguousarray(wt.transpose(1, 0, 2, 3)).reshape(kh, o, kw * c)
 
 
 def _band_dw(dwb, plan, w_shape):
     o, c, kh, kw = w_shape
     if plan.fold_all:
-        return np.ascontiguousarray(dwb.reshape(o, kh, kw, c).transpose(0, 3, 1, 2))
+        return np.ascontiguousarray(dwb[0, :, :-1].reshape(o, kh, kw, c).transpose(0, 3, 1, 2))
     return np.ascontiguousarray(dwb.reshape(kh, o, kw, c).transpose(1, 3, 0, 2))
 
 
@@ -748,51 +770,46 @@ def _band_forward(g, x, w, bias, y, dt):
     """y = conv(x, w) + bias through band im2col blocks, written into y."""
     n = x.shape[0]
     o = w.shape[0]
-    plan = _BandPlan(g, n, x.shape[1], o, dt.itemsize)
-    wb = _band_weights(w, plan)
+    plan = _BandPlan(g, n, x.shape[1], dt.itemsize)
+    wb = _band_weights(w, plan, bias)
+    if plan.fold_all:
+        bias = None                                   # added by the GEMM
+    taps, deep = _band_buffers(plan, dt)
+    yb = _scratch("bout", (o, _padded_ld(plan.rows * plan.nb * plan.wo, dt.itemsize)), dt)
     bshape = (1, o, 1, 1)
-
-    def work(blocks):
-        cols = _band_buffer(plan, dt)
-        yb = _scratch("bout", (o, _padded_ld(plan.rows * plan.nb * plan.wo, dt.itemsize)), dt)
-        for n0, m, r0, rows in blocks:
-            _band_fill(g, plan, x, n0, m, r0, rows, cols)
-            d = yb[:, :rows * m * plan.wo]
-            for s, bv, c0, c1, acc in _band_products(plan, cols, m, rows):
-                _gemm(wb[s], bv, d[:, c0:c1], beta=1.0 if acc else 0.0)
-            src = d.reshape(o, rows, m, plan.wo).transpose(2, 0, 1, 3)
-            dst = y[n0:n0 + m, :, r0:r0 + rows]
-            if bias is None:
-                np.copyto(dst, src)
-            else:
-                np.add(src, bias.reshape(bshape), out=dst)
-
-    work(plan.blocks(g, n))
+    for n0, m, r0, rows in plan.blocks(g, n):
+        _band_fill(g, plan, x, n0, m, r0, rows, taps, deep)
+        d = yb[:, :rows * m * plan.wo]
+        for s, operand in _band_products(plan, taps, deep, m, rows):
+            _gemm(wb[s], operand, d, beta=1.0 if s else 0.0)
+        src = plan.to_nchw(d.reshape(plan.out_shape(o, m, rows)))
+        dst = y[n0:n0 + m, :, r0:r0 + rows]
+        if bias is None:
+            np.copyto(dst, src)
+        else:
+            np.add(src, bias.reshape(bshape), out=dst)
 
 
 def _band_backward(g, dy, x, w, need_db, dt):
     """(dw, db or None) through the same blocks as _band_forward."""
     n = x.shape[0]
     o = w.shape[0]
-    plan = _BandPlan(g, n, x.shape[1], o, dt.itemsize)
-
-    def work(blocks):
-        cols = _band_buffer(plan, dt)
-        dyb = _scratch("bout", (o, _padded_ld(plan.rows * plan.nb * plan.wo, dt.itemsize)), dt)
-        dwb = np.zeros((len(plan.shifts), o, plan.depth), dt)
-        db = np.zeros(o, dt) if need_db else None
-        for n0, m, r0, rows in blocks:
-            _band_fill(g, plan, x, n0, m, r0, rows, cols)
-            d = dyb[:, :rows * m * plan.wo]
-            np.copyto(d.reshape(o, rows, m, plan.wo),
-                      dy[n0:n0 + m, :, r0:r0 + rows].transpose(1, 2, 0, 3))
-            for s, bv, c0, c1, _ in _band_products(plan, cols, m, rows):
-                _gemm(d[:, c0:c1], bv, dwb[s], trans_b=True, beta=1.0)
-            if need_db:
-                db += d.sum(axis=1)
-        return dwb, db
-
-    dwb, db = work(plan.blocks(g, n))
+    plan = _BandPlan(g, n, x.shape[1], dt.itemsize)
+    taps, deep = _band_buffers(plan, dt)
+    dyb = _scratch("bout", (o, _padded_ld(plan.rows * plan.nb * plan.wo, dt.itemsize)), dt)
+    dwb = np.zeros((plan.nshifts, o, plan.depth + plan.fold_all), dt)
+    db = np.zeros(o, dt) if need_db and not plan.fold_all else None
+    for n0, m, r0, rows in plan.blocks(g, n):
+        _band_fill(g, plan, x, n0, m, r0, rows, taps, deep)
+        d = dyb[:, :rows * m * plan.wo]
+        np.copyto(plan.to_nchw(d.reshape(plan.out_shape(o, m, rows))),
+                  dy[n0:n0 + m, :, r0:r0 + rows])
+        for s, operand in _band_products(plan, taps, deep, m, rows):
+            _gemm(d, operand, dwb[s], trans_b=True, beta=1.0)
+        if db is not None:
+            db += d.sum(axis=1)
+    if need_db and plan.fold_all:
+        db = dwb[0, :, -1].copy()
     return _band_dw(dwb, plan, w.shape), db
 
 

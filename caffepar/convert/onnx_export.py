@@ -1,0 +1,676 @@
+"""Export a Caffe deploy net (TEST phase, with its weights) to ONNX.
+
+One small function per Caffe layer type, in `CONVERTERS` keyed by Caffe's type string. Each
+reproduces Caffe's arithmetic rather than the nearest ONNX operator's, where they differ:
+
+- Pooling: Caffe rounds the output size up, drops a last window that would start in the padding,
+  and divides AVE windows by their size clipped to H + pad. ONNX's ceil_mode and
+  count_include_pad do not say the same thing, so the input is padded explicitly (or cropped)
+  to exactly the cells Caffe's windows reach, pooled with no padding, and AVE results are
+  multiplied by a constant k*k / Caffe's divisor where that differs from 1.
+- BatchNorm: Caffe stores running sums and a scale factor (blob 2); the exported mean and
+  variance are divided by it (a factor of 0 gives 0, as in Caffe).
+- LRN WITHIN_CHANNEL has no ONNX operator; it is built from Mul/Pad/AveragePool/Pow, with
+  Caffe's quirk of ignoring `k`.
+
+Shapes are the ones the caffepar Net computed, so every Reshape is static (fixed batch; pick it
+with `batch=`). Layers ONNX cannot express (losses, data readers, recurrent, Python) are all
+named in one error before anything is written.
+"""
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from caffepar.errors import CaffeparError, LayerError
+from caffepar.proto import caffe_pb2
+
+__all__ = ["CONVERTERS", "DEFAULT_OPSET", "ExportResult", "export_onnx", "net_to_onnx",
+           "UNSUPPORTED"]
+
+DEFAULT_OPSET = 17
+FLT_MAX = float(np.finfo(np.float32).max)
+PP = caffe_pb2.PoolingParameter
+LRNP = caffe_pb2.LRNParameter
+EP = caffe_pb2.EltwiseParameter
+RP = caffe_pb2.ReductionParameter
+
+
+class OnnxExportError(LayerError):
+    """A net (or layer setting) that has no faithful ONNX form."""
+
+
+def _need_onnx():
+    try:
+        import onnx  # noqa: F401
+    except ImportError:
+        raise CaffeparError("ONNX export needs the onnx package: pip install 'caffepar[onnx]'") \
+            from None
+
+
+class _Graph:
+    """Nodes and initializers being built, with unique tensor names."""
+
+    def __init__(self, net):
+        from onnx import helper, numpy_helper
+        self.helper, self.numpy_helper = helper, numpy_helper
+        self.net = net
+        self.nodes, self.initializers, self.used = [], [], set()
+        self.layer_name = ""
+
+    def fresh(self, base):
+        name, i = base, 1
+        while name in self.used:
+            name = f"{base}_{i}"
+            i += 1
+        self.used.add(name)
+        return name
+
+    def const(self, base, array, dtype=np.float32):
+        name = self.fresh(f"{self.layer_name}/{base}")
+        arr = np.ascontiguousarray(np.asarray(array, dtype))
+        self.initializers.append(self.numpy_helper.from_array(arr, name))
+        return name
+
+    def ints(self, base, values):
+        return self.const(base, np.asarray(values, np.int64).reshape(-1), np.int64)
+
+    def node(self, op, inputs, out=None, **attrs):
+        """Add one node; returns its (single) output name, `out` if given."""
+        out = out or self.fresh(f"{self.layer_name}/{op}")
+        self.used.add(out)
+        self.nodes.append(self.helper.make_node(op, list(inputs), [out],
+                                                name=self.fresh(f"{self.layer_name}/{op}_node"),
+                                                **attrs))
+        return out
+
+
+@dataclass
+class _Ctx:
+    """What a converter gets: the caffepar layer, its bottoms' ONNX names and Caffe shapes,
+    its tops' Caffe shapes and the names its outputs should take."""
+
+    layer: object
+    inputs: list
+    bottom_shapes: list
+    top_shapes: list
+    outs: list
+
+    @property
+    def p(self):
+        return self.layer.param
+
+    def error(self, message):
+        return OnnxExportError(message, layer=self.layer.name, layer_type=self.layer.type)
+
+
+def _blob(ctx, i):
+    return np.asarray(ctx.layer.blobs[i].data, np.float32)
+
+
+def _axis(axis, ndim):
+    return axis + ndim if axis < 0 else axis
+
+
+# ------------------------------------------------------------------------ vision layers
+def _conv_attrs(ctx):
+    layer = ctx.layer
+    if layer.axis != 1:
+        raise ctx.error(f"convolution over axis {layer.axis} (only axis 1, the channel axis, "
+                        "maps to ONNX)")
+    return dict(kernel_shape=list(layer.kernel), strides=list(layer.stride),
+                pads=list(layer.pad) * 2, dilations=list(layer.dilation), group=layer.group)
+
+
+def _convolution(g, ctx):
+    inputs = [ctx.inputs[0], g.const("weight", _blob(ctx, 0))]
+    if ctx.layer.bias_term:
+        inputs.append(g.const("bias", _blob(ctx, 1).reshape(-1)))
+    return [g.node("Conv", inputs, ctx.outs[0], **_conv_attrs(ctx))]
+
+
+def _deconvolution(g, ctx):
+    # Caffe's deconv weight is (C_in, C_out / group, k...), ONNX ConvTranspose's too; the
+    # output size stride*(in-1) + dilated kernel - 2*pad is ONNX's with output_padding 0.
+    inputs = [ctx.inputs[0], g.const("weight", _blob(ctx, 0))]
+    if ctx.layer.bias_term:
+        inputs.append(g.const("bias", _blob(ctx, 1).reshape(-1)))
+    return [g.node("ConvTranspose", inputs, ctx.outs[0], **_conv_attrs(ctx))]
+
+
+def _caffe_ave_divisors(size, k, pad, stride, out):
+    """Caffe's AVE divisor along one axis: window clipped to [.., size + pad)."""
+    starts = np.arange(out) * stride - pad
+    ends = np.minimum(starts + k, size + pad)
+    return (ends - starts).astype(np.float64)
+
+
+def _pooling(g, ctx):
+    layer, p = ctx.layer, ctx.p.pooling_param
+    method = p.pool
+    if method == PP.STOCHASTIC:
+        raise ctx.error("STOCHASTIC pooling (random at TRAIN, weighted at TEST) has no ONNX form")
+    if len(ctx.outs) > 1:
+        raise ctx.error("the MAX pooling mask top (argmax indices) has no ONNX equivalent "
+                        "with Caffe's index layout")
+    n, c, h, w = ctx.bottom_shapes[0]
+    geom = layer.geom
+    kh, kw, ph, pw, sh, sw = geom.kh, geom.kw, geom.ph, geom.pw, geom.sh, geom.sw
+    oh, ow = ctx.top_shapes[0][2], ctx.top_shapes[0][3]
+    if p.global_pooling or (kh == h and kw == w and ph == pw == 0 and oh == ow == 1):
+        op = "GlobalMaxPool" if method == PP.MAX else "GlobalAveragePool"
+        return [g.node(op, [ctx.inputs[0]], ctx.outs[0])]
+    # The padded frame Caffe's windows reach: rows -ph .. (oh-1)*sh + kh - ph.
+    need_h, need_w = (oh - 1) * sh + kh, (ow - 1) * sw + kw
+    end_h, end_w = need_h - h - ph, need_w - w - pw
+    x = ctx.inputs[0]
+    if end_h < 0 or end_w < 0:
+        # Trailing rows no window reaches (floor rounding): crop them off.
+        x = g.node("Slice", [x, g.ints("starts", [0, 0]),
+                             g.ints("ends", [h + min(end_h, 0), w + min(end_w, 0)]),
+                             g.ints("axes", [2, 3])])
+        end_h, end_w = max(end_h, 0), max(end_w, 0)
+    if ph or pw or end_h or end_w:
+        fill = -FLT_MAX if method == PP.MAX else 0.0
+        x = g.node("Pad", [x, g.ints("pads", [0, 0, ph, pw, 0, 0, end_h, end_w]),
+                           g.const("fill", np.array(fill, np.float32))], mode="constant")
+    op = "MaxPool" if method == PP.MAX else "AveragePool"
+    attrs = dict(kernel_shape=[kh, kw], strides=[sh, sw])
+    if method == PP.MAX:
+        return [g.node(op, [x], ctx.outs[0], **attrs)]
+    div = np.outer(_caffe_ave_divisors(h, kh, ph, sh, oh), _caffe_ave_divisors(w, kw, pw, sw, ow))
+    correction = (kh * kw) / div
+    if np.all(correction == 1):
+        return [g.node(op, [x], ctx.outs[0], **attrs)]
+    pooled = g.node(op, [x], **attrs)
+    return [g.node("Mul", [pooled, g.const("ave_divisor_fix", correction.reshape(1, 1, oh, ow))],
+                   ctx.outs[0])]
+
+
+def _lrn(g, ctx):
+    layer = ctx.layer
+    x = ctx.inputs[0]
+    if layer.region == LRNP.ACROSS_CHANNELS:
+        # ONNX LRN: x / (bias + alpha/size * sum of squares over `size` channels)^beta = Caffe's.
+        return [g.node("LRN", [x], ctx.outs[0], size=layer.size, alpha=layer.alpha,
+                       beta=layer.beta, bias=layer.k)]
+    pad = (layer.size - 1) // 2
+    sq = g.node("Mul", [x, x])
+    if pad:
+        sq = g.node("Pad", [sq, g.ints("pads", [0, 0, pad, pad, 0, 0, pad, pad])],
+                    mode="constant")
+    avg = g.node("AveragePool", [sq], kernel_shape=[layer.size, layer.size], strides=[1, 1])
+    scaled = g.node("Mul", [avg, g.const("alpha", np.array(layer.alpha, np.float32))])
+    base = g.node("Add", [scaled, g.const("one", np.array(1.0, np.float32))])
+    factor = g.node("Pow", [base, g.const("neg_beta", np.array(-layer.beta, np.float32))])
+    return [g.node("Mul", [x, factor], ctx.outs[0])]
+
+
+def _inner_product(g, ctx):
+    layer = ctx.layer
+    flat = g.node("Flatten", [ctx.inputs[0]], axis=layer.axis)
+    inputs = [flat, g.const("weight", _blob(ctx, 0))]
+    if len(layer.blobs) > 1:
+        inputs.append(g.const("bias", _blob(ctx, 1).reshape(-1)))
+    out_shape = ctx.top_shapes[0]
+    direct = len(out_shape) == 2
+    y = g.node("Gemm", inputs, ctx.outs[0] if direct else None,
+               transB=0 if layer.transpose else 1)
+    if direct:
+        return [y]
+    return [g.node("Reshape", [y, g.ints("shape", out_shape)], ctx.outs[0])]
+
+
+def _batch_norm(g, ctx):
+    layer = ctx.layer
+    if not layer.use_global:
+        raise ctx.error("use_global_stats: false normalises with the batch's own statistics; "
+                        "export a TEST-phase net that uses the stored ones")
+    if len(ctx.bottom_shapes[0]) < 2:
+        raise ctx.error("BatchNorm on a 1-D blob has no channel axis for ONNX")
+    s = float(_blob(ctx, 2).reshape(-1)[0])
+    factor = 0.0 if s == 0 else 1.0 / s
+    mean = (_blob(ctx, 0).reshape(-1) * np.float32(factor)).astype(np.float32)
+    var = (_blob(ctx, 1).reshape(-1) * np.float32(factor)).astype(np.float32)
+    c = mean.size
+    return [g.node("BatchNormalization",
+                   [ctx.inputs[0], g.const("gamma", np.ones(c)), g.const("beta", np.zeros(c)),
+                    g.const("mean", mean), g.const("var", var)], ctx.outs[0],
+                   epsilon=float(layer.eps))]
+
+
+def _broadcast_shape(shape, axis, ndim):
+    """A parameter covering bottom axes axis..axis+len(shape) as an ONNX-broadcastable shape."""
+    return tuple(shape) + (1,) * (ndim - axis - len(shape))
+
+
+def _scale_or_bias(g, ctx, op, param, learned_index):
+    ndim = len(ctx.bottom_shapes[0])
+    axis = _axis(param.axis, ndim)
+    x = ctx.inputs[0]
+    if len(ctx.inputs) > 1:
+        other_shape = ctx.bottom_shapes[1]
+        other = g.node("Reshape", [ctx.inputs[1], g.ints(
+            "shape", _broadcast_shape(other_shape, axis, ndim))])
+    else:
+        arr = _blob(ctx, learned_index)
+        other = g.const(op.lower(), arr.reshape(_broadcast_shape(arr.shape, axis, ndim)))
+    return x, other, axis, ndim
+
+
+def _scale(g, ctx):
+    p = ctx.p.scale_param
+    x, scale, axis, ndim = _scale_or_bias(g, ctx, "Scale", p, 0)
+    has_bias = p.bias_term
+    y = g.node("Mul", [x, scale], None if has_bias else ctx.outs[0])
+    if not has_bias:
+        return [y]
+    bias = _blob(ctx, 1 if len(ctx.inputs) == 1 else 0)
+    b = g.const("bias", bias.reshape(_broadcast_shape(bias.shape, axis, ndim)))
+    return [g.node("Add", [y, b], ctx.outs[0])]
+
+
+def _bias(g, ctx):
+    x, bias, _axis_, _n = _scale_or_bias(g, ctx, "Bias", ctx.p.bias_param, 0)
+    return [g.node("Add", [x, bias], ctx.outs[0])]
+
+
+# ------------------------------------------------------------------------ neurons
+def _simple(op, **attrs):
+    def convert(g, ctx):
+        return [g.node(op, [ctx.inputs[0]], ctx.outs[0], **attrs)]
+    convert.__name__ = f"_{op.lower()}"
+    return convert
+
+
+def _relu(g, ctx):
+    slope = ctx.p.relu_param.negative_slope
+    if slope:
+        return [g.node("LeakyRelu", [ctx.inputs[0]], ctx.outs[0], alpha=float(slope))]
+    return [g.node("Relu", [ctx.inputs[0]], ctx.outs[0])]
+
+
+def _prelu(g, ctx):
+    slope = _blob(ctx, 0).reshape(-1)
+    ndim = len(ctx.bottom_shapes[0])
+    if slope.size > 1:
+        slope = slope.reshape((slope.size,) + (1,) * max(ndim - 2, 0))
+    return [g.node("PRelu", [ctx.inputs[0], g.const("slope", slope)], ctx.outs[0])]
+
+
+def _elu(g, ctx):
+    return [g.node("Elu", [ctx.inputs[0]], ctx.outs[0], alpha=float(ctx.p.elu_param.alpha))]
+
+
+def _affine(g, ctx, x, scale, shift):
+    if scale != 1:
+        x = g.node("Mul", [x, g.const("scale", np.array(scale, np.float32))])
+    if shift != 0:
+        x = g.node("Add", [x, g.const("shift", np.array(shift, np.float32))])
+    return x
+
+
+def _finish(g, ctx, x):
+    """Make sure the layer's last tensor carries its wanted output name."""
+    return [g.node("Identity", [x], ctx.outs[0])] if x == ctx.inputs[0] else \
+        [_rename(g, x, ctx.outs[0])]
+
+
+def _rename(g, tensor, name):
+    for node in reversed(g.nodes):
+        if list(node.output) == [tensor]:
+            node.output[0] = name
+            g.used.add(name)
+            return name
+    return g.node("Identity", [tensor], name)
+
+
+def _power(g, ctx):
+    p = ctx.p.power_param
+    x = _affine(g, ctx, ctx.inputs[0], p.scale, p.shift)
+    if p.power != 1:
+        x = g.node("Pow", [x, g.const("power", np.array(p.power, np.float32))])
+    return _finish(g, ctx, x)
+
+
+def _exp(g, ctx):
+    p = ctx.p.exp_param
+    log_base = 1.0 if p.base == -1 else math.log(p.base)
+    x = _affine(g, ctx, ctx.inputs[0], p.scale * log_base, p.shift * log_base)
+    return [g.node("Exp", [x], ctx.outs[0])]
+
+
+def _log(g, ctx):
+    p = ctx.p.log_param
+    x = _affine(g, ctx, ctx.inputs[0], p.scale, p.shift)
+    y = g.node("Log", [x])
+    if p.base != -1:
+        y = g.node("Mul", [y, g.const("inv_log_base", np.array(1 / math.log(p.base),
+                                                                np.float32))])
+    return _finish(g, ctx, y)
+
+
+def _threshold(g, ctx):
+    t = g.const("threshold", np.array(ctx.p.threshold_param.threshold, np.float32))
+    above = g.node("Greater", [ctx.inputs[0], t])
+    return [g.node("Cast", [above], ctx.outs[0], to=1)]
+
+
+def _clip(g, ctx):
+    p = ctx.p.clip_param
+    return [g.node("Clip", [ctx.inputs[0], g.const("min", np.array(p.min, np.float32)),
+                            g.const("max", np.array(p.max, np.float32))], ctx.outs[0])]
+
+
+def _swish(g, ctx):
+    beta = ctx.p.swish_param.beta
+    x = ctx.inputs[0]
+    inner = x if beta == 1 else g.node("Mul", [x, g.const("beta", np.array(beta, np.float32))])
+    return [g.node("Mul", [x, g.node("Sigmoid", [inner])], ctx.outs[0])]
+
+
+def _dropout(g, ctx):
+    layer = ctx.layer
+    if layer.scale_train:
+        return list(ctx.inputs[:1])  # the identity at TEST time: no node at all
+    return [g.node("Mul", [ctx.inputs[0], g.const("keep", np.array(1 - layer.ratio,
+                                                                   np.float32))], ctx.outs[0])]
+
+
+def _split(g, ctx):
+    return [ctx.inputs[0]] * len(ctx.outs)
+
+
+# ------------------------------------------------------------------------ shape layers
+def _reshape_to_top(g, ctx):
+    return [g.node("Reshape", [ctx.inputs[0], g.ints("shape", ctx.top_shapes[0])], ctx.outs[0])]
+
+
+def _concat(g, ctx):
+    p = ctx.p.concat_param
+    axis = p.concat_dim if p.HasField("concat_dim") else p.axis
+    axis = _axis(axis, len(ctx.bottom_shapes[0]))
+    if len(ctx.inputs) == 1:
+        return list(ctx.inputs)
+    return [g.node("Concat", ctx.inputs, ctx.outs[0], axis=axis)]
+
+
+def _slice(g, ctx):
+    p = ctx.p.slice_param
+    ndim = len(ctx.bottom_shapes[0])
+    axis = _axis(p.slice_dim if p.HasField("slice_dim") else p.axis, ndim)
+    sizes = [s[axis] for s in ctx.top_shapes]
+    if len(sizes) == 1:
+        return list(ctx.inputs)
+    node = g.helper.make_node("Split", [ctx.inputs[0], g.ints("split", sizes)], list(ctx.outs),
+                              name=g.fresh(f"{g.layer_name}/Split_node"), axis=axis)
+    g.nodes.append(node)
+    g.used.update(ctx.outs)
+    return list(ctx.outs)
+
+
+def _crop(g, ctx):
+    p = ctx.p.crop_param
+    ndim = len(ctx.bottom_shapes[0])
+    axis = _axis(p.axis, ndim)
+    offsets = list(p.offset)
+    axes = list(range(axis, ndim))
+    if len(offsets) == 1:
+        offsets = offsets * len(axes)
+    elif not offsets:
+        offsets = [0] * len(axes)
+    starts = offsets
+    ends = [o + ctx.top_shapes[0][a] for o, a in zip(offsets, axes)]
+    return [g.node("Slice", [ctx.inputs[0], g.ints("starts", starts), g.ints("ends", ends),
+                             g.ints("axes", axes)], ctx.outs[0])]
+
+
+def _softmax(g, ctx):
+    axis = _axis(ctx.p.softmax_param.axis, len(ctx.bottom_shapes[0]))
+    return [g.node("Softmax", [ctx.inputs[0]], ctx.outs[0], axis=axis)]
+
+
+def _eltwise(g, ctx):
+    p = ctx.p.eltwise_param
+    xs = list(ctx.inputs)
+    if p.operation == EP.PROD:
+        y = xs[0]
+        for i, x in enumerate(xs[1:]):
+            y = g.node("Mul", [y, x], ctx.outs[0] if i == len(xs) - 2 else None)
+        return [y]
+    if p.operation == EP.MAX:
+        return [g.node("Max", xs, ctx.outs[0])]
+    coeffs = list(p.coeff) or [1.0] * len(xs)
+    if len(coeffs) != len(xs):
+        raise ctx.error(f"{len(coeffs)} coefficients for {len(xs)} bottoms")
+    terms = [x if c == 1 else g.node("Mul", [x, g.const("coeff", np.array(c, np.float32))])
+             for x, c in zip(xs, coeffs)]
+    return [g.node("Sum", terms, ctx.outs[0])]
+
+
+def _mvn(g, ctx):
+    p = ctx.p.mvn_param
+    ndim = len(ctx.bottom_shapes[0])
+    axes = list(range(1 if p.across_channels else 2, ndim))
+    x = ctx.inputs[0]
+    mean = g.node("ReduceMean", [x], axes=axes, keepdims=1)
+    centred = g.node("Sub", [x, mean], None if p.normalize_variance else ctx.outs[0])
+    if not p.normalize_variance:
+        return [centred]
+    # Caffe: divide by sqrt(E[x^2] - E[x]^2) + eps.
+    var = g.node("ReduceMean", [g.node("Mul", [centred, centred])], axes=axes, keepdims=1)
+    std = g.node("Add", [g.node("Sqrt", [var]), g.const("eps", np.array(p.eps, np.float32))])
+    return [g.node("Div", [centred, std], ctx.outs[0])]
+
+
+def _reduction(g, ctx):
+    p = ctx.p.reduction_param
+    ndim = len(ctx.bottom_shapes[0])
+    axis = _axis(p.axis, ndim)
+    axes = list(range(axis, ndim))
+    x = ctx.inputs[0]
+    if not axes:
+        y = x
+    elif p.operation == RP.SUM:
+        y = g.node("ReduceSum", [x, g.ints("axes", axes)], keepdims=0)
+    elif p.operation == RP.MEAN:
+        y = g.node("ReduceMean", [x], axes=axes, keepdims=0)
+    elif p.operation == RP.ASUM:
+        y = g.node("ReduceL1", [x], axes=axes, keepdims=0)
+    else:
+        y = g.node("ReduceSumSquare", [x], axes=axes, keepdims=0)
+    if p.coeff != 1:
+        y = g.node("Mul", [y, g.const("coeff", np.array(p.coeff, np.float32))])
+    y = g.node("Reshape", [y, g.ints("shape", ctx.top_shapes[0])])
+    return [_rename(g, y, ctx.outs[0])]
+
+
+def _tile(g, ctx):
+    p = ctx.p.tile_param
+    ndim = len(ctx.bottom_shapes[0])
+    reps = [1] * ndim
+    reps[_axis(p.axis, ndim)] = p.tiles
+    return [g.node("Tile", [ctx.inputs[0], g.ints("repeats", reps)], ctx.outs[0])]
+
+
+def _argmax(g, ctx):
+    p = ctx.p.argmax_param
+    if not p.HasField("axis") or p.out_max_val or p.top_k != 1:
+        raise ctx.error("only ArgMax with an axis, top_k 1 and out_max_val false maps to ONNX")
+    axis = _axis(p.axis, len(ctx.bottom_shapes[0]))
+    idx = g.node("ArgMax", [ctx.inputs[0]], axis=axis, keepdims=1)
+    return [g.node("Cast", [idx], ctx.outs[0], to=1)]
+
+
+CONVERTERS = {
+    "Convolution": _convolution,
+    "Deconvolution": _deconvolution,
+    "Pooling": _pooling,
+    "LRN": _lrn,
+    "InnerProduct": _inner_product,
+    "BatchNorm": _batch_norm,
+    "Scale": _scale,
+    "Bias": _bias,
+    "ReLU": _relu,
+    "PReLU": _prelu,
+    "ELU": _elu,
+    "Sigmoid": _simple("Sigmoid"),
+    "TanH": _simple("Tanh"),
+    "AbsVal": _simple("Abs"),
+    "BNLL": _simple("Softplus"),
+    "Power": _power,
+    "Exp": _exp,
+    "Log": _log,
+    "Threshold": _threshold,
+    "Clip": _clip,
+    "Swish": _swish,
+    "Dropout": _dropout,
+    "Split": _split,
+    "Flatten": _reshape_to_top,
+    "Reshape": _reshape_to_top,
+    "Concat": _concat,
+    "Slice": _slice,
+    "Crop": _crop,
+    "Softmax": _softmax,
+    "Eltwise": _eltwise,
+    "MVN": _mvn,
+    "Reduction": _reduction,
+    "Tile": _tile,
+    "ArgMax": _argmax,
+}
+"""Caffe type string -> converter(graph, ctx) returning the ONNX names of the layer's tops."""
+
+_DATA_TYPES = {"Data", "ImageData", "HDF5Data", "MemoryData", "DummyData", "WindowData"}
+_LOSS_TYPES = {"SoftmaxWithLoss", "SigmoidCrossEntropyLoss", "EuclideanLoss", "HingeLoss",
+               "InfogainLoss", "MultinomialLogisticLoss", "ContrastiveLoss", "Accuracy",
+               "Silence", "HDF5Output"}
+UNSUPPORTED = {
+    **{t: "reads a dataset; export the deploy net, whose Input layer becomes the graph input"
+       for t in _DATA_TYPES},
+    **{t: "is a training/scoring layer; export the deploy net without it" for t in _LOSS_TYPES},
+    "Python": "runs arbitrary Python code",
+    "RNN": "recurrent layers are not exported",
+    "LSTM": "recurrent layers are not exported",
+    "LSTMUnit": "recurrent layers are not exported",
+    "Embed": "Embed is not exported",
+    "SPP": "spatial pyramid pooling is not exported",
+    "Im2col": "Im2col has no ONNX operator",
+    "Filter": "Filter's output size depends on the data",
+    "BatchReindex": "BatchReindex is not exported",
+    "Parameter": "Parameter is not exported",
+    "Input": "",
+}
+"""Caffe types refused, with the reason the error gives."""
+
+
+@dataclass
+class ExportResult:
+    """The exported model and the net it came from (with its weights), for verification."""
+
+    model: object
+    net: object
+    inputs: dict = field(default_factory=dict)
+    outputs: list = field(default_factory=list)
+    path: str = None
+    blob_tensors: dict = field(default_factory=dict)
+
+
+def _check_exportable(net):
+    problems = []
+    for layer in net.layers:
+        t = layer.type
+        if t == "Input":
+            continue
+        if t not in CONVERTERS:
+            why = UNSUPPORTED.get(t, "has no ONNX converter")
+            problems.append(f'"{layer.name}" ({t}): {why}')
+    if problems:
+        raise OnnxExportError("cannot export to ONNX: " + "; ".join(problems))
+
+
+def net_to_onnx(net, opset=DEFAULT_OPSET, name=None):
+    """An onnx.ModelProto computing `net`'s forward pass (its current shapes and weights)."""
+    return _build(net, opset, name)[0]
+
+
+def _build(net, opset, name):
+    """(model, {Caffe blob: ONNX tensor holding its final value})."""
+    _need_onnx()
+    import onnx
+    from onnx import TensorProto, helper
+    _check_exportable(net)
+    g = _Graph(net)
+    outputs = list(net.outputs)
+    last_writer = {}
+    for i, ids in enumerate(net.top_ids):
+        for t in ids:
+            last_writer[net.blob_names[t]] = i
+    current, graph_inputs = {}, []
+    for i, layer in enumerate(net.layers):
+        g.layer_name = layer.name
+        tops = [net.blob_names[t] for t in net.top_ids[i]]
+        if layer.type == "Input":
+            for t in tops:
+                g.used.add(t)
+                current[t] = t
+                graph_inputs.append(helper.make_tensor_value_info(
+                    t, TensorProto.FLOAT, list(net.blobs[t].shape)))
+            continue
+        inputs = [current[net.blob_names[b]] for b in net.bottom_ids[i]]
+        outs = []
+        for t in tops:
+            # Graph outputs keep their Caffe names: only the blob's last writer may use it.
+            plain = t not in g.used and (t not in outputs or last_writer[t] == i)
+            outs.append(g.fresh(t if plain else f"{t}/{layer.name}"))
+        ctx = _Ctx(layer, inputs, [tuple(net.blob_list[b].shape) for b in net.bottom_ids[i]],
+                   [tuple(net.blob_list[t].shape) for t in net.top_ids[i]], outs)
+        try:
+            produced = CONVERTERS[layer.type](g, ctx)
+        except CaffeparError:
+            raise
+        except (ValueError, TypeError, IndexError) as e:
+            raise OnnxExportError(f"cannot export to ONNX: {e}", layer=layer.name,
+                                  layer_type=layer.type) from None
+        for t, name_ in zip(tops, produced):
+            current[t] = name_
+    graph_outputs = []
+    for o in outputs:
+        if current[o] != o:
+            g.node("Identity", [current[o]], o)
+        graph_outputs.append(helper.make_tensor_value_info(o, TensorProto.FLOAT,
+                                                           list(net.blobs[o].shape)))
+    graph = helper.make_graph(g.nodes, name or net.name or "caffe_net", graph_inputs,
+                              graph_outputs, g.initializers)
+    model = helper.make_model(graph, producer_name="caffepar",
+                              opset_imports=[helper.make_opsetid("", opset)])
+    if opset <= 17:
+        model.ir_version = 8  # the IR version that introduced opset 17: older runtimes load it
+    if model.ByteSize() < 2 ** 31 - 1:
+        onnx.checker.check_model(model)
+    return model, current
+
+
+def export_onnx(model, weights, out=None, batch=None, allow_missing=False, opset=DEFAULT_OPSET):
+    """Build `model` (a deploy prototxt) in TEST phase with `weights`, optionally with another
+    batch size, and export it; writes `out` when given. Returns an ExportResult."""
+    _need_onnx()
+    from caffepar.convert.npz import load_weights
+    from caffepar.graph.net import TEST, Net
+    net = Net(model, phase=TEST)
+    if weights is not None:
+        load_weights(net, weights, allow_missing=allow_missing)
+    if batch is not None:
+        for name in net.inputs:
+            shape = net.blobs[name].shape
+            net.blobs[name].reshape((batch,) + tuple(shape[1:]))
+        net.reshape()
+    onnx_model, tensors = _build(net, opset, None)
+    result = ExportResult(onnx_model, net, {n: tuple(net.blobs[n].shape) for n in net.inputs},
+                          list(net.outputs), blob_tensors=tensors)
+    if out is not None:
+        from caffepar.io.weights import atomic_write
+        out = os.fspath(out)
+        atomic_write(out, lambda f: f.write(onnx_model.SerializeToString()))
+        result.path = out
+    return result

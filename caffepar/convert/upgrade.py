@@ -1,0 +1,196 @@
+"""Upgrade old Caffe files on disk: V0/V1 prototxt nets, old solvers, V0/V1 binary caffemodels.
+
+The message rewrites live in caffepar.proto.upgrade (pure functions); this module only reads and
+writes files, as Caffe's upgrade_net_proto_text / upgrade_net_proto_binary /
+upgrade_solver_proto_text tools do. A binary caffemodel is rewritten without handing its weights
+to Python protobuf: each layer is parsed with its blobs cut out, upgraded, and the original
+BlobProto bytes are spliced back in where protobuf would serialize them. The result is the same
+bytes Caffe's tool writes, and a VGG-sized V1 model upgrades in seconds.
+"""
+import os
+from dataclasses import dataclass, field
+
+from google.protobuf import text_format
+
+from caffepar.errors import PrototxtError, WeightsError
+from caffepar.io.weights import (LAYER_BLOBS, NET_LAYER, NET_LAYERS, V1_LAYER_BLOBS, V1_LAYER_V0,
+                                 _encode_varint, _fields, _key, _Truncated, atomic_write, is_hdf5)
+from caffepar.proto import caffe_pb2
+from caffepar.proto.text import _read_text, parse_text
+from caffepar.proto.upgrade import (net_needs_upgrade, solver_needs_upgrade, upgrade_net,
+                                    upgrade_solver)
+
+__all__ = ["UpgradeResult", "upgrade_file", "upgrade_caffemodel_bytes", "detect_kind"]
+
+
+@dataclass
+class UpgradeResult:
+    """What `upgrade_file` found: the kind of file, whether it changed, and Caffe's notes."""
+
+    kind: str
+    changed: bool
+    notes: list = field(default_factory=list)
+    written: bool = False
+
+
+def detect_kind(path):
+    """"net", "solver", "caffemodel" or "hdf5" from the file's content, not its name."""
+    path = os.fspath(path)
+    if is_hdf5(path):
+        return "hdf5"
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # A multi-byte character cut at the 64 KiB boundary is still text.
+        if e.start < len(head) - 4:
+            return "caffemodel"
+    if b"\x00" in head:
+        return "caffemodel"
+    text = _read_text(path)
+    try:
+        text_format.Merge(text, caffe_pb2.NetParameter())
+        return "net"
+    except text_format.ParseError:
+        pass
+    try:
+        text_format.Merge(text, caffe_pb2.SolverParameter())
+        return "solver"
+    except text_format.ParseError:
+        pass
+    parse_text(text, caffe_pb2.NetParameter(), path)  # raises with file:line
+    return "net"
+
+
+def _field_start(wire, start, last):
+    """The first byte of a field as yielded by weights._fields, whose varint entries carry
+    the field start in the `start` slot rather than the last one."""
+    return start if wire == 0 else last
+
+
+def _split_at_blobs(serialized):
+    """Where protobuf would put field 7 (blobs) in a serialized LayerParameter: after every
+    field numbered below 7, since protobuf writes known fields in field-number order."""
+    for number, wire, _v, s, _e, last in _fields(serialized, 0, len(serialized)):
+        if number > LAYER_BLOBS:
+            return _field_start(wire, s, last)
+    return len(serialized)
+
+
+def _layer_bytes(layer_param, blob_payloads):
+    """A serialized `layer { ... }` entry (field 100) with raw BlobProto payloads spliced in."""
+    body = layer_param.SerializeToString()
+    cut = _split_at_blobs(body)
+    blobs = b"".join(_key(LAYER_BLOBS, 2) + _encode_varint(len(p)) + p for p in blob_payloads)
+    inner = body[:cut] + blobs + body[cut:]
+    return _key(NET_LAYER, 2) + _encode_varint(len(inner)) + inner
+
+
+def upgrade_caffemodel_bytes(buf, source=None):
+    """(upgraded bytes or None when nothing changes, notes) for a binary caffemodel."""
+    end = len(buf)
+    try:
+        head = bytearray()
+        stripped_layers, payloads, v1 = [], [], None
+        for number, wire, _v, s, e, fstart in _fields(buf, 0, end):
+            if wire == 2 and number in (NET_LAYER, NET_LAYERS):
+                is_v1 = number == NET_LAYERS
+                if v1 is not None and v1 != is_v1:
+                    raise PrototxtError("caffemodel mixes 'layer' (V2) and 'layers' (V1) "
+                                        "entries; Caffe refuses to upgrade it", path=source)
+                v1 = is_v1
+                blob_field = V1_LAYER_BLOBS if is_v1 else LAYER_BLOBS
+                body, blobs = bytearray(), []
+                for n2, w2, _v2, s2, e2, f2 in _fields(buf, s, e):
+                    if is_v1 and n2 == V1_LAYER_V0:
+                        return _upgrade_small_model(buf, source)
+                    if n2 == blob_field and w2 == 2:
+                        blobs.append(memoryview(buf)[s2:e2])
+                    else:
+                        body += buf[_field_start(w2, s2, f2):e2]
+                stripped_layers.append(bytes(body))
+                payloads.append(blobs)
+            else:
+                head += buf[_field_start(wire, s, fstart):e]
+    except _Truncated:
+        raise WeightsError("truncated or corrupt caffemodel (the protobuf stream ends inside a "
+                           "field)", path=source) from None
+    net = caffe_pb2.NetParameter()
+    try:
+        net.ParseFromString(bytes(head))
+        for body in stripped_layers:
+            target = net.layers.add() if v1 else net.layer.add()
+            target.ParseFromString(body)
+    except Exception as e:  # protobuf's DecodeError and friends
+        raise WeightsError(f"not a Caffe NetParameter: {e}", path=source) from None
+    if not net_needs_upgrade(net):
+        return None, []
+    upgraded, notes = upgrade_net(net, source=source)
+    # V1 -> V2 maps layer i to layer i; an Input layer may have been put in front.
+    offset = len(upgraded.layer) - len(payloads)
+    if offset < 0:
+        raise WeightsError("upgrade changed the number of layers unexpectedly", path=source)
+    layers = list(upgraded.layer)
+    upgraded.ClearField("layer")
+    out = [upgraded.SerializeToString()]
+    for i, lp in enumerate(layers):
+        out.append(_layer_bytes(lp, payloads[i - offset] if i >= offset else []))
+    return b"".join(out), notes
+
+
+def _upgrade_small_model(buf, source):
+    """V0 models nest blobs one level deeper and may fold layers away; they predate big nets,
+    so protobuf parses them whole."""
+    net = caffe_pb2.NetParameter()
+    try:
+        net.ParseFromString(bytes(buf))
+    except Exception as e:
+        raise WeightsError(f"not a Caffe NetParameter: {e}", path=source) from None
+    upgraded, notes = upgrade_net(net, source=source)
+    return upgraded.SerializeToString(), notes
+
+
+def _write_bytes(path, data):
+    atomic_write(path, lambda f: f.write(data))
+
+
+def upgrade_file(src, dst=None, check=False):
+    """Upgrade `src` (net prototxt, solver prototxt or binary caffemodel) into `dst`.
+
+    With `check`, or without `dst`, nothing is written: the result tells what would change.
+    A current file is copied unchanged, so scripts can run this on every model they hold.
+    """
+    src = os.fspath(src)
+    if not os.path.exists(src):
+        from caffepar.errors import MissingFileError
+        raise MissingFileError(src)
+    kind = detect_kind(src)
+    name = os.path.basename(src)
+    if kind == "hdf5":
+        return UpgradeResult(kind, False, [f"{name}: HDF5 caffemodels hold only blobs; "
+                                           "there is nothing to upgrade"])
+    if kind == "caffemodel":
+        with open(src, "rb") as f:
+            buf = f.read()
+        data, notes = upgrade_caffemodel_bytes(buf, source=name)
+        result = UpgradeResult(kind, data is not None, notes)
+        if dst and not check:
+            _write_bytes(dst, buf if data is None else data)
+            result.written = True
+        return result
+    text = _read_text(src)
+    if kind == "solver":
+        msg = parse_text(text, caffe_pb2.SolverParameter(), src)
+        changed = solver_needs_upgrade(msg)
+        out, notes = upgrade_solver(msg, source=name)
+    else:
+        msg = parse_text(text, caffe_pb2.NetParameter(), src)
+        changed = net_needs_upgrade(msg)
+        out, notes = upgrade_net(msg, source=name)
+    result = UpgradeResult(kind, changed, notes)
+    if dst and not check:
+        payload = text_format.MessageToString(out) if changed else text
+        atomic_write(dst, lambda f: f.write(payload.encode("utf-8")))
+        result.written = True
+    return result

@@ -1,0 +1,97 @@
+"""Run an exported ONNX model in onnxruntime beside caffepar's own forward pass and compare.
+
+onnxruntime is an optional extra (`pip install 'caffepar[onnx]'`); the comparison feeds both
+the same seeded random input, so a failure is reproducible.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from caffepar.errors import CaffeparError
+
+__all__ = ["VerifyResult", "verify_onnx", "have_onnxruntime"]
+
+
+def have_onnxruntime():
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class VerifyResult:
+    """Per output blob: the largest absolute difference and the largest |caffepar value|."""
+
+    max_abs: dict
+    scale: dict
+    tolerance: float
+
+    @property
+    def ok(self):
+        return all(d <= self.tolerance * max(1.0, self.scale[k]) for k, d in self.max_abs.items())
+
+    def lines(self):
+        return [f"{name}: max |onnxruntime - caffepar| = {d:.3g} (max |value| {self.scale[name]:.3g})"
+                for name, d in self.max_abs.items()]
+
+
+def _with_blob_outputs(result):
+    """A copy of the model that also outputs every intermediate Caffe blob's final value, so a
+    mismatch is caught where it starts, not after a softmax has flattened it."""
+    from onnx import TensorProto, helper
+    model = type(result.model)()
+    model.CopyFrom(result.model)
+    have = {o.name for o in model.graph.output} | {i.name for i in model.graph.input}
+    extra = {}
+    for blob, tensor in result.blob_tensors.items():
+        if tensor in have or blob in result.net.inputs:
+            continue
+        have.add(tensor)
+        extra[tensor] = blob
+        model.graph.output.append(helper.make_tensor_value_info(
+            tensor, TensorProto.FLOAT, list(result.net.blobs[blob].shape)))
+    return model, extra
+
+
+def verify_onnx(result, seed=0, tolerance=1e-4, inputs=None, all_blobs=False):
+    """Compare onnxruntime on `result.model` (an ExportResult) with result.net's forward.
+
+    The tolerance is absolute for outputs up to 1 in magnitude and relative above that, since
+    raw class scores of a deep net can be large where probabilities are not.
+    """
+    if not have_onnxruntime():
+        raise CaffeparError("--verify needs onnxruntime: pip install 'caffepar[onnx]'")
+    import onnxruntime as ort
+    net = result.net
+    rng = np.random.RandomState(seed)
+    if inputs is None:
+        inputs = {n: rng.randn(*net.blobs[n].shape).astype(np.float32) for n in net.inputs}
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    rename = {}
+    if all_blobs:
+        model, rename = _with_blob_outputs(result)
+        session = ort.InferenceSession(model.SerializeToString(), options,
+                                       providers=["CPUExecutionProvider"])
+    elif result.path is not None:
+        session = ort.InferenceSession(result.path, options, providers=["CPUExecutionProvider"])
+    else:
+        session = ort.InferenceSession(result.model.SerializeToString(), options,
+                                       providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    got = {rename.get(n, n): v for n, v in zip(names, session.run(names, inputs))}
+    names = [rename.get(n, n) for n in names]
+    for name, value in inputs.items():
+        net.blobs[name].data[...] = value
+    net.forward_from_to()
+    max_abs, scale = {}, {}
+    for name in names:
+        ref = net.blobs[name].data
+        if got[name].shape != ref.shape:
+            raise CaffeparError(f'output "{name}": onnxruntime gives shape {got[name].shape}, '
+                                f"caffepar {ref.shape}")
+        max_abs[name] = float(np.max(np.abs(got[name] - ref))) if ref.size else 0.0
+        scale[name] = float(np.max(np.abs(ref))) if ref.size else 0.0
+    return VerifyResult(max_abs, scale, tolerance)
