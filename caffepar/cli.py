@@ -264,6 +264,118 @@ def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase):
     click.echo(format_plan(plans, ranks, batch))
 
 
+@cli.group("convert")
+def convert_group():
+    """Convert Caffe models: upgrade old formats, inspect, change weight formats, export ONNX."""
+
+
+@convert_group.command("upgrade")
+@click.argument("src", type=click.Path(exists=True, dir_okay=False))
+@click.argument("dst", required=False, type=click.Path(dir_okay=False))
+@click.option("--check", is_flag=True, help="Only report what would change; write nothing.")
+def convert_upgrade(src, dst, check):
+    """Old (V0/V1) net prototxt, solver or binary caffemodel SRC -> current format DST."""
+    from caffepar.convert.upgrade import upgrade_file
+    if not dst and not check:
+        raise click.UsageError("give DST, or --check to only report")
+    result = upgrade_file(src, dst, check=check)
+    for note in result.notes:
+        click.echo(note)
+    if not result.changed:
+        click.echo(f"{src}: already in the current format ({result.kind})")
+    if result.written:
+        click.echo(f"wrote {dst}")
+
+
+@convert_group.command("info")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("weights", required=False, type=click.Path(exists=True, dir_okay=False))
+@click.option("--phase", type=click.Choice(["TRAIN", "TEST"], case_sensitive=False),
+              default="TEST", show_default=True)
+@click.option("--level", default=0, type=int)
+@click.option("--stage", multiple=True)
+def convert_info(model, weights, phase, level, stage):
+    """Layers, shapes, parameters, FLOPs and parallel modes of MODEL; with WEIGHTS, which
+    layers match, are missing or are unused."""
+    from caffepar.convert.info import format_info, net_info
+    click.echo(format_info(net_info(model, weights, phase=_phase(phase), level=level,
+                                    stages=stage)))
+
+
+@convert_group.command("npz")
+@click.argument("weights", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out", type=click.Path(dir_okay=False))
+def convert_npz(weights, out):
+    """Caffemodel (binary or HDF5) or snapshot WEIGHTS -> OUT.npz, keys <layer>/<blob index>."""
+    from caffepar.convert.npz import open_weights, save_npz
+    n = save_npz(open_weights(weights), out)
+    click.echo(f"wrote {out} ({n} arrays)")
+
+
+@convert_group.command("caffemodel")
+@click.argument("npz", type=click.Path(exists=True, dir_okay=False))
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--allow-missing", is_flag=True,
+              help="Keep filler values for net layers the npz has no weights for.")
+def convert_caffemodel(npz, model, out, allow_missing):
+    """NPZ weights + net MODEL -> caffemodel OUT (HDF5 when OUT ends in .h5)."""
+    from caffepar.convert.npz import convert_weights
+    fmt, report = convert_weights(npz, out, model=model, allow_missing=allow_missing)
+    for line in report.lines():
+        click.echo(line)
+    click.echo(f"wrote {out} ({fmt})")
+
+
+@convert_group.command("weights")
+@click.argument("src", type=click.Path(exists=True, dir_okay=False))
+@click.argument("dst", type=click.Path(dir_okay=False))
+@click.option("--model", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Load into this net first (shapes checked, its layer definitions written).")
+@click.option("--allow-missing", is_flag=True,
+              help="With --model: keep filler values for layers SRC has no weights for.")
+def convert_weights_cmd(src, dst, model, allow_missing):
+    """Weights SRC (binary/HDF5 caffemodel, npz, or a .solverstate snapshot) -> DST, weights
+    only; the format follows DST's name (.h5, .npz, else binary)."""
+    from caffepar.convert.npz import convert_weights
+    fmt, report = convert_weights(src, dst, model=model, allow_missing=allow_missing)
+    for line in report.lines() if report else []:
+        click.echo(line)
+    click.echo(f"wrote {dst} ({fmt})")
+
+
+@convert_group.command("onnx")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("weights", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--verify", is_flag=True,
+              help="Run the export in onnxruntime on random input and compare with caffepar.")
+@click.option("--batch", default=None, type=click.IntRange(min=1),
+              help="Batch size of the exported graph (default: the prototxt's).")
+@click.option("--opset", default=None, type=click.IntRange(13, 17),
+              help="ONNX opset (default 17).")
+@click.option("--allow-missing", is_flag=True,
+              help="Keep filler values for layers WEIGHTS has no weights for.")
+def convert_onnx(model, weights, out, verify, batch, opset, allow_missing):
+    """Deploy net MODEL with WEIGHTS -> OUT.onnx (TEST phase; inputs/outputs keep Caffe's
+    blob names)."""
+    from caffepar.convert.onnx_export import DEFAULT_OPSET, export_onnx
+    result = export_onnx(model, weights, out, batch=batch, allow_missing=allow_missing,
+                         opset=opset or DEFAULT_OPSET)
+    shapes = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in result.inputs.items())
+    click.echo(f"wrote {out}: inputs {shapes}; outputs {', '.join(result.outputs)}")
+    if verify:
+        from caffepar.convert.verify import verify_onnx
+        check = verify_onnx(result)
+        for line in check.lines():
+            click.echo(line)
+        if not check.ok:
+            from caffepar.errors import CaffeparError
+            raise CaffeparError(f"onnxruntime and caffepar differ by more than "
+                                f"{check.tolerance:g}", path=out)
+        click.echo("verified: onnxruntime matches caffepar")
+
+
 def _warn_gpu(gpu):
     if gpu is not None:
         click.echo("warning: caffepar computes on the CPU; -gpu is ignored", err=True)

@@ -576,9 +576,9 @@ class ExportResult:
     blob_tensors: dict = field(default_factory=dict)
 
 
-def _check_exportable(net):
+def _check_exportable(layers):
     problems = []
-    for layer in net.layers:
+    for layer in layers:
         t = layer.type
         if t == "Input":
             continue
@@ -599,7 +599,7 @@ def _build(net, opset, name):
     _need_onnx()
     import onnx
     from onnx import TensorProto, helper
-    _check_exportable(net)
+    _check_exportable(net.layers)
     g = _Graph(net)
     outputs = list(net.outputs)
     last_writer = {}
@@ -656,7 +656,12 @@ def export_onnx(model, weights, out=None, batch=None, allow_missing=False, opset
     batch size, and export it; writes `out` when given. Returns an ExportResult."""
     _need_onnx()
     from caffepar.convert.npz import load_weights
-    from caffepar.graph.net import TEST, Net
+    from caffepar.graph.net import TEST, Net, load_net_param
+    from caffepar.graph.passes import filter_net
+    param, smap = load_net_param(model)
+    param.state.phase = TEST
+    # Refuse before building: a train_val net's data layers would look for their datasets.
+    _check_exportable(filter_net(param, smap).layer)
     net = Net(model, phase=TEST)
     if weights is not None:
         load_weights(net, weights, allow_missing=allow_missing)
