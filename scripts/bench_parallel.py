@@ -17,30 +17,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
-
-def solver_param(batch):
-    from caffepar.proto import caffe_pb2
-    from caffepar.proto.text import read_net_text
-    net, _ = read_net_text(str(ROOT / "models/vgg16/train_val_dummy.prototxt"))
-    for layer in net.layer:
-        if layer.type == "DummyData":
-            layer.dummy_data_param.data_filler[0].type = "constant"
-            for shape in layer.dummy_data_param.shape:
-                shape.dim[0] = batch
-    param = caffe_pb2.SolverParameter(base_lr=0.001, momentum=0.9, weight_decay=0.0005,
-                                      lr_policy="fixed", max_iter=10 ** 6, display=0,
-                                      snapshot_after_train=False, random_seed=1,
-                                      snapshot_prefix="/tmp/bench_parallel")
-    param.net_param.CopyFrom(net)
-    return param
+from bench_train import dummy_solver_param  # noqa: E402
 
 
 def measure(comm, batch, mode, iterations):
     from caffepar.parallel.data_parallel import make_parallel_solver
     from caffepar.parallel.plan import Planner
     planner = Planner("data") if mode == "DATA" else Planner("hybrid", ("fc6", "fc7"), 2 ** 62)
-    solver = make_parallel_solver(solver_param(batch), comm, planner=planner)
+    solver = make_parallel_solver(dummy_solver_param("vgg16", batch), comm, planner=planner)
     solver.step(1)
     comm.barrier()
     comm.stats.reset()

@@ -18,19 +18,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_layers import load_net  # noqa: E402
 
 TYPES = ("Pooling", "LRN", "ReLU", "Dropout")
-
-
-def load_net(model, batch):
-    from caffepar.graph.net import TRAIN, Net
-    from caffepar.proto.text import read_net_text
-    param, _ = read_net_text(model)
-    for layer in param.layer:
-        if layer.type == "DummyData":
-            for shape in layer.dummy_data_param.shape:
-                shape.dim[0] = batch
-    return Net(param, phase=TRAIN)
 
 
 def best_of(fn, repeat, before=None):

@@ -23,10 +23,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 NETS = {"cifar10_quick": 100, "alexnet": 16, "vgg16": 4}
 
 
-def caffepar_solver(name, batch):
+def dummy_solver_param(name, batch):
+    """SGD on a bundled net's DummyData variant at `batch`, with constant input (no time spent
+    drawing random data)."""
     from caffepar.proto import caffe_pb2
     from caffepar.proto.text import read_net_text
-    from caffepar.solvers import get_solver
     net, _ = read_net_text(str(ROOT / f"models/{name}/train_val_dummy.prototxt"))
     for layer in net.layer:
         if layer.type == "DummyData":
@@ -39,7 +40,7 @@ def caffepar_solver(name, batch):
                                       snapshot_after_train=False, random_seed=1,
                                       snapshot_prefix="/tmp/bench_train")
     param.net_param.CopyFrom(net)
-    return get_solver(param)
+    return param
 
 
 def iteration_flops(net):
@@ -49,7 +50,8 @@ def iteration_flops(net):
 
 
 def time_caffepar(name, batch, repeat):
-    solver = caffepar_solver(name, batch)
+    from caffepar.solvers import get_solver
+    solver = get_solver(dummy_solver_param(name, batch))
     solver.step(1)
     best = min(_timed(lambda: solver.step(1)) for _ in range(repeat))
     return best, iteration_flops(solver.net)
