@@ -180,29 +180,28 @@ def test_upgrade_errors_are_one_line(tmp_path, capsys):
 
 
 def test_big_v1_caffemodel_upgrades_without_protobuf_parsing_blobs(tmp_path):
-    """A V1 model whose blobs are large upgrades fast and carries its blobs exactly."""
-    net = caffe_pb2.NetParameter(name="big")
-    layer = net.layers.add(name="ip", type=caffe_pb2.V1LayerParameter.INNER_PRODUCT)
-    layer.bottom.append("data")
-    layer.top.append("ip")
-    rng = np.random.RandomState(0)
-    w = rng.randn(1000, 4000).astype(np.float32)
-    blob = layer.blobs.add(num=1, channels=1, height=1000, width=4000)
-    blob.data.extend(w.reshape(-1)[:10])  # a small payload through protobuf...
-    raw = bytearray(net.SerializeToString())
-    # ...then splice a real 16 MB one in by rewriting the file with our own writer.
-    from caffepar.convert.npz import write_caffemodel
-    from caffepar.io.weights import CaffeModel
+    """A V1 model with a 64 MB blob (past protobuf's old default limit) upgrades in seconds
+    and keeps the blob, legacy 4-D shape included, bit for bit."""
+    from caffepar.io.weights import _encode_varint, _key
+    w = np.random.RandomState(0).randn(4000, 4000).astype(np.float32)
+    layer = caffe_pb2.V1LayerParameter(name="ip", type=caffe_pb2.V1LayerParameter.INNER_PRODUCT,
+                                       bottom=["data"], top=["ip"], blobs_lr=[1, 2])
+    layer.inner_product_param.num_output = 4000
+    header = caffe_pb2.BlobProto(num=1, channels=1, height=4000, width=4000).SerializeToString()
+    payload = w.tobytes()
+    blob = header + _key(5, 2) + _encode_varint(len(payload)) + payload
+    body = layer.SerializeToString() + _key(6, 2) + _encode_varint(len(blob)) + blob
+    net = caffe_pb2.NetParameter(name="big").SerializeToString()
     src = tmp_path / "v1.caffemodel"
-    src.write_bytes(bytes(raw))
-    model = read_caffemodel(src)
-    assert model.layers[0][2][0][1] == (1, 1, 1000, 4000)
+    src.write_bytes(net + _key(2, 2) + _encode_varint(len(body)) + body)
     t0 = time.perf_counter()
     result = upgrade_file(src, tmp_path / "up.caffemodel")
-    assert result.changed and time.perf_counter() - t0 < 5
-    big = CaffeModel(None, [("ip", "InnerProduct", [(w.reshape(-1), (1000, 4000), None)])])
-    write_caffemodel(big, tmp_path / "v2.caffemodel")
-    assert_same_blobs(read_caffemodel(tmp_path / "v2.caffemodel"), big)
+    assert result.changed and time.perf_counter() - t0 < 10
+    up = read_caffemodel(tmp_path / "up.caffemodel")
+    assert up.layers[0][:2] == ("ip", "InnerProduct")
+    values, shape, legacy = up.layers[0][2][0]
+    assert shape == legacy == (1, 1, 4000, 4000) and np.array_equal(values, w.reshape(-1))
+    assert up.net_param.layer[0].param[1].lr_mult == 2
 
 
 # ---------------------------------------------------------------------------- info

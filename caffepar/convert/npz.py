@@ -10,8 +10,8 @@ import os
 import numpy as np
 
 from caffepar.errors import MissingFileError, WeightsError
-from caffepar.io.weights import (CaffeModel, _blob_chunks, _encode_varint, _key, atomic_write,
-                                 copy_weights_into, is_hdf5, read_caffemodel)
+from caffepar.io.weights import (CaffeModel, _blob_chunks, atomic_write, copy_weights_into,
+                                 is_hdf5, read_caffemodel)
 from caffepar.proto import caffe_pb2
 
 __all__ = ["open_weights", "save_npz", "read_npz", "write_caffemodel", "write_hdf5",
@@ -195,11 +195,11 @@ def load_weights(net, source, allow_missing=False):
     in_file = {name for name, _t, blobs in model.layers if blobs}
     missing = [layer.name for layer in net.layers if layer.blobs and layer.name not in in_file
                and not _shares_all(net, layer)]
+    copied = copy_weights_into(net, model)  # shape mismatches first: they are the precise ones
     if missing and not allow_missing:
         raise WeightsError(f"no weights for layer(s) {', '.join(missing)}", path=model.path,
                            hint="pass --allow-missing to keep their initial (filler) values, "
                                 "as Caffe's --weights does when fine-tuning")
-    copied = copy_weights_into(net, model)
     layer_names = set(net.layer_dict)
     unused = [name for name, _t, blobs in model.layers if blobs and name not in layer_names]
     return LoadReport(copied, missing, unused)

@@ -635,10 +635,14 @@ def _build(net, opset, name):
         for t, name_ in zip(tops, produced):
             current[t] = name_
     graph_outputs = []
+    input_names = {i.name for i in graph_inputs}
     for o in outputs:
+        name_ = o
         if current[o] != o:
-            g.node("Identity", [current[o]], o)
-        graph_outputs.append(helper.make_tensor_value_info(o, TensorProto.FLOAT,
+            # A blob changed in place from a graph input cannot reuse the input's name.
+            name_ = g.fresh(f"{o}_out") if o in input_names else o
+            g.node("Identity", [current[o]], name_)
+        graph_outputs.append(helper.make_tensor_value_info(name_, TensorProto.FLOAT,
                                                            list(net.blobs[o].shape)))
     graph = helper.make_graph(g.nodes, name or net.name or "caffe_net", graph_inputs,
                               graph_outputs, g.initializers)

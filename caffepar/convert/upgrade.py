@@ -63,18 +63,12 @@ def detect_kind(path):
     return "net"
 
 
-def _field_start(wire, start, last):
-    """The first byte of a field as yielded by weights._fields, whose varint entries carry
-    the field start in the `start` slot rather than the last one."""
-    return start if wire == 0 else last
-
-
 def _split_at_blobs(serialized):
     """Where protobuf would put field 7 (blobs) in a serialized LayerParameter: after every
     field numbered below 7, since protobuf writes known fields in field-number order."""
-    for number, wire, _v, s, _e, last in _fields(serialized, 0, len(serialized)):
+    for number, _wire, _v, _s, _e, last in _fields(serialized, 0, len(serialized)):
         if number > LAYER_BLOBS:
-            return _field_start(wire, s, last)
+            return last
     return len(serialized)
 
 
@@ -108,11 +102,11 @@ def upgrade_caffemodel_bytes(buf, source=None):
                     if n2 == blob_field and w2 == 2:
                         blobs.append(memoryview(buf)[s2:e2])
                     else:
-                        body += buf[_field_start(w2, s2, f2):e2]
+                        body += buf[f2:e2]
                 stripped_layers.append(bytes(body))
                 payloads.append(blobs)
             else:
-                head += buf[_field_start(wire, s, fstart):e]
+                head += buf[fstart:e]
     except _Truncated:
         raise WeightsError("truncated or corrupt caffemodel (the protobuf stream ends inside a "
                            "field)", path=source) from None

@@ -81,8 +81,11 @@ def verify_onnx(result, seed=0, tolerance=1e-4, inputs=None, all_blobs=False):
         session = ort.InferenceSession(result.model.SerializeToString(), options,
                                        providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
-    got = {rename.get(n, n): v for n, v in zip(names, session.run(names, inputs))}
-    names = [rename.get(n, n) for n in names]
+    # Graph outputs come in the order of the net's outputs (names may differ when an output
+    # is an input changed in place); extra outputs map back through `rename`.
+    blobs = list(result.outputs) + [rename[n] for n in names[len(result.outputs):]]
+    got = dict(zip(blobs, session.run(names, inputs)))
+    names = blobs
     for name, value in inputs.items():
         net.blobs[name].data[...] = value
     net.forward_from_to()

@@ -43,16 +43,18 @@ def _varint(buf, pos, end):
 
 
 def _fields(buf, start, end):
-    """Yield (field number, wire type, value, start, stop) for each field in buf[start:end];
-    value is the integer for varints, else None (the payload is buf[start:stop])."""
+    """Yield (field number, wire type, value, payload start, stop, field start) for each field
+    in buf[start:end]; value is the integer for varints, else None. buf[field start:stop] is
+    the whole field, key included."""
     pos = start
     while pos < end:
         field_start = pos
         key, pos = _varint(buf, pos, end)
         number, wire = key >> 3, key & 7
         if wire == 0:
+            value_start = pos
             value, pos = _varint(buf, pos, end)
-            yield number, wire, value, field_start, pos, pos
+            yield number, wire, value, value_start, pos, field_start
         elif wire == 2:
             length, pos = _varint(buf, pos, end)
             if pos + length > end:
@@ -126,7 +128,8 @@ def decode_blob(buf, start, end, want_diff=False):
         legacy_shape = tuple(legacy.get(k, 1) for k in
                              (BLOB_NUM, BLOB_CHANNELS, BLOB_HEIGHT, BLOB_WIDTH))
     if shape is None:
-        shape = legacy_shape if legacy_shape is not None else (values.size,)
+        # No shape and no legacy dimensions: Caffe reads a 0-axis blob (one value).
+        shape = legacy_shape if legacy_shape is not None else ()
     return values, shape, legacy_shape
 
 

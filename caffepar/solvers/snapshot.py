@@ -92,7 +92,7 @@ def read_binary(path):
             if number == STATE_HISTORY and wire == 2:
                 history.append(decode_blob(buf, s, e))
             else:
-                rest += buf[s:e] if wire == 0 else buf[fstart:e]
+                rest += buf[fstart:e]
         msg.ParseFromString(bytes(rest))
     except (_Truncated, DecodeError):
         raise SolverError("cannot decode as a binary SolverState (truncated or not a "
