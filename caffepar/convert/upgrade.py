@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from google.protobuf import text_format
 
 from caffepar.errors import PrototxtError, WeightsError
-from caffepar.io.weights import (LAYER_BLOBS, NET_LAYER, NET_LAYERS, V1_LAYER_BLOBS, V1_LAYER_V0,
-                                 _encode_varint, _fields, _key, _Truncated, atomic_write, is_hdf5)
+from caffepar.io.weights import (LAYER_BLOBS, NET_LAYER, NET_LAYERS, V0Model, _encode_varint,
+                                 _fields, _key, atomic_write, is_hdf5, split_layers)
 from caffepar.proto import caffe_pb2
-from caffepar.proto.text import _read_text, parse_text
+from caffepar.proto.text import read_text, parse_text
 from caffepar.proto.upgrade import (net_needs_upgrade, solver_needs_upgrade, upgrade_net,
                                     upgrade_solver)
 
@@ -48,7 +48,7 @@ def detect_kind(path):
             return "caffemodel"
     if b"\x00" in head:
         return "caffemodel"
-    text = _read_text(path)
+    text = read_text(path)
     try:
         text_format.Merge(text, caffe_pb2.NetParameter())
         return "net"
@@ -83,33 +83,17 @@ def _layer_bytes(layer_param, blob_payloads):
 
 def upgrade_caffemodel_bytes(buf, source=None):
     """(upgraded bytes or None when nothing changes, notes) for a binary caffemodel."""
-    end = len(buf)
     try:
-        head = bytearray()
-        stripped_layers, payloads, v1 = [], [], None
-        for number, wire, _v, s, e, fstart in _fields(buf, 0, end):
-            if wire == 2 and number in (NET_LAYER, NET_LAYERS):
-                is_v1 = number == NET_LAYERS
-                if v1 is not None and v1 != is_v1:
-                    raise PrototxtError("caffemodel mixes 'layer' (V2) and 'layers' (V1) "
-                                        "entries; Caffe refuses to upgrade it", path=source)
-                v1 = is_v1
-                blob_field = V1_LAYER_BLOBS if is_v1 else LAYER_BLOBS
-                body, blobs = bytearray(), []
-                for n2, w2, _v2, s2, e2, f2 in _fields(buf, s, e):
-                    if is_v1 and n2 == V1_LAYER_V0:
-                        return _upgrade_small_model(buf, source)
-                    if n2 == blob_field and w2 == 2:
-                        blobs.append(memoryview(buf)[s2:e2])
-                    else:
-                        body += buf[f2:e2]
-                stripped_layers.append(bytes(body))
-                payloads.append(blobs)
-            else:
-                head += buf[fstart:e]
-    except _Truncated:
-        raise WeightsError("truncated or corrupt caffemodel (the protobuf stream ends inside a "
-                           "field)", path=source) from None
+        head, layers = split_layers(buf, source)
+    except V0Model:
+        return _upgrade_small_model(buf, source)
+    kinds = {number for number, _body, _blobs in layers}
+    if len(kinds) > 1:
+        raise PrototxtError("caffemodel mixes 'layer' (V2) and 'layers' (V1) entries; Caffe "
+                            "refuses to upgrade it", path=source)
+    v1 = kinds == {NET_LAYERS}
+    stripped_layers = [body for _n, body, _b in layers]
+    payloads = [[memoryview(buf)[s:e] for s, e in blobs] for _n, _b, blobs in layers]
     net = caffe_pb2.NetParameter()
     try:
         net.ParseFromString(bytes(head))
@@ -173,7 +157,7 @@ def upgrade_file(src, dst=None, check=False):
             _write_bytes(dst, buf if data is None else data)
             result.written = True
         return result
-    text = _read_text(src)
+    text = read_text(src)
     if kind == "solver":
         msg = parse_text(text, caffe_pb2.SolverParameter(), src)
         changed = solver_needs_upgrade(msg)

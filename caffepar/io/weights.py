@@ -145,42 +145,58 @@ class CaffeModel:
         return {name: blobs for name, _type, blobs in self.layers}
 
 
-def _read_binary(path):
-    with open(path, "rb") as f:
-        buf = f.read()
-    end = len(buf)
+class V0Model(Exception):
+    """A V0 net: its layers nest their blobs one level deeper, so callers parse it whole."""
+
+
+def split_layers(buf, path=None):
+    """Walk a binary NetParameter once: (bytes of every field but the layers,
+    [(layer field number, the layer's bytes without its blobs, [(start, stop) of each blob's
+    BlobProto in buf])]). Raises V0Model for a V0 net."""
+    head = bytearray()
+    layers = []
     try:
-        stripped = bytearray()
-        layer_blobs = []
-        has_v1 = False
-        for number, wire, value, s, e, fstart in _fields(buf, 0, end):
-            if wire == 2 and number in (NET_LAYER, NET_LAYERS):
-                blob_field = LAYER_BLOBS if number == NET_LAYER else V1_LAYER_BLOBS
-                if number == NET_LAYERS:
-                    has_v1 = True
-                    if any(n == V1_LAYER_V0 for n, *_ in _fields(buf, s, e)):
-                        return _read_binary_slow(path, buf)
-                body = bytearray()
-                blobs = []
-                for n2, w2, v2, s2, e2, f2 in _fields(buf, s, e):
-                    if n2 == blob_field and w2 == 2:
-                        blobs.append(decode_blob(buf, s2, e2))
-                    else:
-                        body += buf[f2:e2]
-                stripped += _key(number, 2) + _encode_varint(len(body)) + body
-                layer_blobs.append(blobs)
-            else:
-                stripped += buf[fstart:e]
+        for number, wire, _value, s, e, fstart in _fields(buf, 0, len(buf)):
+            if not (wire == 2 and number in (NET_LAYER, NET_LAYERS)):
+                head += buf[fstart:e]
+                continue
+            blob_field = LAYER_BLOBS if number == NET_LAYER else V1_LAYER_BLOBS
+            body, blobs = bytearray(), []
+            for n2, w2, _v2, s2, e2, f2 in _fields(buf, s, e):
+                if number == NET_LAYERS and n2 == V1_LAYER_V0:
+                    raise V0Model()
+                if n2 == blob_field and w2 == 2:
+                    blobs.append((s2, e2))
+                else:
+                    body += buf[f2:e2]
+            layers.append((number, bytes(body), blobs))
     except _Truncated:
         raise WeightsError("truncated or corrupt caffemodel (the protobuf stream ends inside a "
                            "field)", path=path) from None
+    return bytes(head), layers
+
+
+def _read_binary(path):
+    with open(path, "rb") as f:
+        buf = f.read()
+    try:
+        head, layers = split_layers(buf, path)
+    except V0Model:
+        return _read_binary_slow(path, buf)
+    try:
+        layer_blobs = [[decode_blob(buf, s, e) for s, e in blobs] for _n, _b, blobs in layers]
+    except _Truncated:
+        raise WeightsError("truncated or corrupt caffemodel (a blob ends early)",
+                           path=path) from None
+    stripped = head + b"".join(_length_delimited(n, body) for n, body, _ in layers)
     net = caffe_pb2.NetParameter()
     try:
-        net.ParseFromString(bytes(stripped))
+        net.ParseFromString(stripped)
     except Exception as e:
         raise WeightsError(f"not a Caffe NetParameter: {e}", path=path) from None
-    if not net.layer and not net.layers and end:
+    if not net.layer and not net.layers and buf:
         raise WeightsError("holds no layers; not a caffemodel", path=path)
+    has_v1 = bool(net.layers)
     names = [lp.name for lp in (net.layers if has_v1 else net.layer)]
     types = [lp.type for lp in (net.layers if has_v1 else net.layer)]
     if has_v1:

@@ -70,7 +70,7 @@ def _top_level_field_lines(text, names):
     return found
 
 
-def _read_text(path):
+def read_text(path):
     path = os.fspath(path)
     if not os.path.exists(path):
         raise MissingFileError(path)
@@ -108,7 +108,7 @@ def read_net_text(source, is_text=None):
         text, path = source, "<string>"
     else:
         path = os.fspath(source)
-        text = _read_text(path)
+        text = read_text(path)
     net = parse_text(text, caffe_pb2.NetParameter(), path)
     lines = _top_level_field_lines(text, ("layer", "layers"))
     smap = SourceMap(path=path, layer_lines=lines["layer"], v1_layer_lines=lines["layers"])
@@ -120,7 +120,7 @@ def read_net_text(source, is_text=None):
 
 
 def read_solver_text(path):
-    text = _read_text(path)
+    text = read_text(path)
     return parse_text(text, caffe_pb2.SolverParameter(), os.fspath(path))
 
 
