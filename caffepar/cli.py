@@ -62,21 +62,16 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
              model_parallel, mp_threshold, threads, mpiexec, gpu):
     """Time forward and backward of every layer, as `caffe time`."""
     from caffepar.graph.net import Net
-    from caffepar.parallel.comm import launched_by_mpi, world_comm
+    from caffepar.parallel.comm import world_comm
     from caffepar.timing import benchmark, format_benchmark
     _warn_gpu(gpu)
-    if ranks and ranks > 1 and not launched_by_mpi():
-        from caffepar.parallel.launch import relaunch, strip_option
-        sys.exit(relaunch(ranks, strip_option(ctx.obj["argv"], {"--np", "--mpiexec"}), threads,
-                          mpiexec))
+    _relaunch_if_asked(ctx, ranks, threads, mpiexec)
     comm = world_comm()
     ctx.obj["comm"] = comm
     extra = {}
     if comm.size > 1:
         from caffepar.parallel.model_parallel import layer_factory
-        from caffepar.parallel.plan import DEFAULT_THRESHOLD, Planner
-        planner = Planner(default_mode, [n for n in model_parallel.split(",") if n],
-                          DEFAULT_THRESHOLD if mp_threshold is None else mp_threshold)
+        planner = _planner(default_mode, model_parallel, mp_threshold)
         extra = {"shard": (comm.rank, comm.size), "layer_factory": layer_factory(comm, planner)}
     net = Net(model, phase=_phase(phase), level=level, stages=stage, weights=weights, **extra)
     say = click.echo if comm.rank == 0 else (lambda *a, **k: None)
@@ -125,21 +120,16 @@ def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_e
               sighup_effect, log_file, csv_file, ranks, default_mode, model_parallel,
               mp_threshold, log_all_ranks, threads, mpiexec, gpu):
     """Train a net with a solver, as `caffe train`; with --np, over MPI ranks."""
-    from caffepar.parallel.comm import launched_by_mpi, world_comm
-    from caffepar.parallel.plan import DEFAULT_THRESHOLD, Planner
+    from caffepar.parallel.comm import world_comm
     from caffepar.training import run_training
     _warn_gpu(gpu)
     if weights and snapshot:
         raise click.UsageError("give --weights or --snapshot, not both "
                                "(Caffe: snapshot restores the weights too)")
-    if ranks and ranks > 1 and not launched_by_mpi():
-        from caffepar.parallel.launch import relaunch, strip_option
-        argv = strip_option(ctx.obj["argv"], {"--np", "--mpiexec"})
-        sys.exit(relaunch(ranks, argv, threads, mpiexec))
+    _relaunch_if_asked(ctx, ranks, threads, mpiexec)
     comm = world_comm()
     ctx.obj["comm"] = comm
-    planner = Planner(default_mode, [n for n in model_parallel.split(",") if n],
-                      DEFAULT_THRESHOLD if mp_threshold is None else mp_threshold)
+    planner = _planner(default_mode, model_parallel, mp_threshold)
     run_training(solver, weights=weights, snapshot=snapshot, iterations=iterations,
                  level=level, stages=stage, sigint_effect=sigint_effect,
                  sighup_effect=sighup_effect, log_file=log_file, csv_file=csv_file,
@@ -254,11 +244,9 @@ def data_mean(db, out, backend):
 def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase):
     """Print each parameterised layer's parallel mode and why."""
     from caffepar.graph.net import Net
-    from caffepar.parallel.plan import DEFAULT_THRESHOLD, format_plan, make_plan
+    from caffepar.parallel.plan import format_plan, make_plan
     net = Net(model, phase=_phase(phase))
-    names = [n for n in model_parallel.split(",") if n]
-    plans = make_plan(net, default, names, DEFAULT_THRESHOLD if mp_threshold is None
-                      else mp_threshold, net.source_map)
+    plans = make_plan(net, _planner(default, model_parallel, mp_threshold), net.source_map)
     batch = next((b.shape[0] for n, b in net.blobs.items() if n in net.inputs or n == "data"),
                  None)
     click.echo(format_plan(plans, ranks, batch))
@@ -374,6 +362,21 @@ def convert_onnx(model, weights, out, verify, batch, opset, allow_missing):
             raise CaffeparError(f"onnxruntime and caffepar differ by more than "
                                 f"{check.tolerance:g}", path=out)
         click.echo("verified: onnxruntime matches caffepar")
+
+
+def _planner(default_mode, model_parallel, mp_threshold):
+    from caffepar.parallel.plan import DEFAULT_THRESHOLD, Planner
+    return Planner(default_mode, [n for n in model_parallel.split(",") if n],
+                   DEFAULT_THRESHOLD if mp_threshold is None else mp_threshold)
+
+
+def _relaunch_if_asked(ctx, ranks, threads, mpiexec):
+    """`--np P` outside an MPI launch: run this same command under mpiexec and exit with it."""
+    from caffepar.parallel.comm import launched_by_mpi
+    if ranks and ranks > 1 and not launched_by_mpi():
+        from caffepar.parallel.launch import relaunch, strip_option
+        sys.exit(relaunch(ranks, strip_option(ctx.obj["argv"], {"--np", "--mpiexec"}), threads,
+                          mpiexec))
 
 
 def _warn_gpu(gpu):

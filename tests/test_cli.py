@@ -116,3 +116,20 @@ def test_console_script_exit_code_without_traceback():
                           timeout=60, cwd=ROOT)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr and "kernel_size must be > 0" in proc.stderr
+
+
+def test_plan_prints_modes_and_refuses_model_parallel_convolutions(capsys):
+    model = str(ROOT / "models/vgg16/train_val_dummy.prototxt")
+    code, out, err = run(["plan", "--model", model, "--np", "4"], capsys)
+    assert code == 0, err
+    modes = {line.split()[0]: line.split()[3] for line in out.splitlines()
+             if line.startswith(("conv", "fc"))}
+    assert modes["conv1_1"] == "DATA" and modes["fc6"] == "MODEL" and modes["fc7"] == "MODEL"
+    assert modes["fc8"] == "DATA"
+    code, out, err = run(["plan", "--model", model, "--parallel", "data"], capsys)
+    assert code == 0
+    assert all(line.split()[3] == "DATA" for line in out.splitlines()
+               if line.startswith(("conv", "fc")))
+    code, out, err = run(["plan", "--model", model, "--model-parallel", "conv1_1"], capsys)
+    assert code == 1
+    assert 'layer "conv1_1" (Convolution): only InnerProduct layers can run model parallel' in err

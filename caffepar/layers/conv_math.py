@@ -35,12 +35,13 @@ that is not Fortran-contiguous, and ``numpy.matmul`` has no beta. If that
 entry point is unavailable a NumPy fallback is used.
 """
 
-import ctypes
 import itertools
 import math
 import threading
 
 import numpy as np
+
+from caffepar.layers.blas import gemm_views as _gemm
 
 __all__ = [
     "conv_forward",
@@ -79,85 +80,6 @@ POINTWISE_DIRECT_MIN = 1024
 BAND_FOLD_ALL = 64
 #: Bound on the band path's column block.
 BAND_BYTES = 8 << 20
-
-
-# --------------------------------------------------------------------------
-# GEMM on strided 2-D views
-# --------------------------------------------------------------------------
-
-def _load_blas():
-    """Function pointers of SciPy's sgemm/dgemm, or {} when not reachable."""
-    try:
-        from scipy.linalg import cython_blas
-    except Exception:
-        return {}
-    get_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(
-        ("PyCapsule_GetName", ctypes.pythonapi))
-    get_ptr = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
-        ("PyCapsule_GetPointer", ctypes.pythonapi))
-    proto = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * 13))
-    found = {}
-    for dtype, name, scalar in ((np.float32, "sgemm", ctypes.c_float),
-                                (np.float64, "dgemm", ctypes.c_double)):
-        try:
-            capsule = cython_blas.__pyx_capi__[name]
-            ptr = get_ptr(capsule, get_name(capsule))
-        except Exception:
-            continue
-        if ptr:
-            found[np.dtype(dtype)] = (proto(ptr), scalar)
-    return found
-
-
-_BLAS = _load_blas()
-_TRANS = {False: ctypes.c_char_p(b"N"), True: ctypes.c_char_p(b"T")}
-
-
-def _ld(v):
-    """Leading dimension of a row-major 2-D view, or 0 if BLAS cannot read it."""
-    rows, cols = v.shape
-    isz = v.itemsize
-    if cols > 1 and v.strides[1] != isz:
-        return 0
-    if rows <= 1:
-        return max(cols, 1)
-    s0 = v.strides[0]
-    if s0 <= 0 or s0 % isz:
-        return 0
-    ld = s0 // isz
-    return ld if ld >= max(cols, 1) else 0
-
-
-def _gemm(a, b, c, trans_a=False, trans_b=False, beta=0.0):
-    """c = op(a) @ op(b) + beta * c, in place, on row-major strided views."""
-    m, n = c.shape
-    k = a.shape[0] if trans_a else a.shape[1]
-    if m == 0 or n == 0:
-        return
-    if k == 0:
-        if beta == 0.0:
-            c[...] = 0
-        return
-    entry = _BLAS.get(c.dtype)
-    lda, ldb, ldc = _ld(a), _ld(b), _ld(c)
-    if (entry is None or not (lda and ldb and ldc)
-            or a.dtype != c.dtype or b.dtype != c.dtype):
-        r = np.matmul(a.T if trans_a else a, b.T if trans_b else b)
-        if beta == 0.0:
-            c[...] = r
-        else:
-            c += r
-        return
-    fn, scalar = entry
-    ci = ctypes.c_int
-    # Row-major C = A B is column-major C^T = B^T A^T.
-    fn(_TRANS[trans_b], _TRANS[trans_a],
-       ctypes.byref(ci(n)), ctypes.byref(ci(m)), ctypes.byref(ci(k)),
-       ctypes.byref(scalar(1.0)),
-       ctypes.c_void_p(b.ctypes.data), ctypes.byref(ci(ldb)),
-       ctypes.c_void_p(a.ctypes.data), ctypes.byref(ci(lda)),
-       ctypes.byref(scalar(beta)),
-       ctypes.c_void_p(c.ctypes.data), ctypes.byref(ci(ldc)))
 
 
 # --------------------------------------------------------------------------

@@ -72,6 +72,12 @@ class NormalizedLoss(LossLayer):
         else:
             self.normalization = self.default_norm
 
+    def summed_loss(self, per, valid):
+        """(-sum of the per-position log terms over the positions that count, their number)."""
+        if valid is None:
+            return -per.sum(dtype=np.float64), per.size
+        return -per[valid].sum(dtype=np.float64), int(valid.sum())
+
     def normalizer(self, valid_count):
         mode = self.normalization
         if mode == _Norm.FULL:
@@ -146,10 +152,7 @@ class SoftmaxWithLossLayer(NormalizedLoss):
         p = self.prob.reshape(self.outer, self.channels, self.inner)
         picked = np.take_along_axis(p, safe[:, None, :], axis=1)[:, 0, :]
         logs = np.log(np.maximum(picked, FLT_MIN))
-        if valid is None:
-            loss, count = -logs.sum(dtype=np.float64), safe.size
-        else:
-            loss, count = -logs[valid].sum(dtype=np.float64), int(valid.sum())
+        loss, count = self.summed_loss(logs, valid)
         top[0].data[...] = loss / self.normalizer(count)
 
     def backward(self, top, propagate_down, bottom):
@@ -198,10 +201,7 @@ class SigmoidCrossEntropyLossLayer(NormalizedLoss):
         pos = (x >= 0).astype(x.dtype)
         term = x * (t - pos) - np.log(1 + np.exp(x - 2 * x * pos))
         valid = self._valid(bottom)
-        if valid is None:
-            loss, count = -term.sum(dtype=np.float64), x.size
-        else:
-            loss, count = -term[valid].sum(dtype=np.float64), int(valid.sum())
+        loss, count = self.summed_loss(term, valid)
         self.norm = self.normalizer(count)
         top[0].data[...] = loss / self.norm
 
@@ -344,10 +344,7 @@ class InfogainLossLayer(NormalizedLoss):
                                  LOG_THRESHOLD))
         rows = h[safe]  # (outer, inner, C)
         per = np.einsum("oic,oci->oi", rows, logp)
-        if valid is None:
-            loss, count = -per.sum(dtype=np.float64), safe.size
-        else:
-            loss, count = -per[valid].sum(dtype=np.float64), int(valid.sum())
+        loss, count = self.summed_loss(per, valid)
         top[0].data[...] = loss / self.normalizer(count)
 
     def backward(self, top, propagate_down, bottom):

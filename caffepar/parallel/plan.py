@@ -77,10 +77,9 @@ class Planner:
                            "rows)", layer=layer_param.name, layer_type=layer_param.type)
 
 
-def make_plan(net, default="hybrid", model_parallel=(), threshold=DEFAULT_THRESHOLD,
-              source_map=None):
+def make_plan(net, planner=None, source_map=None):
     """A LayerPlan for every layer of `net` (a built, unsharded Net) that has parameters."""
-    planner = Planner(default, model_parallel, threshold)
+    planner = planner or Planner()
     unknown = planner.forced - set(net.layer_dict)
     if unknown:
         raise NetError(f"--model-parallel names layers not in the net: {', '.join(sorted(unknown))}")
