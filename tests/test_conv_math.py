@@ -425,3 +425,50 @@ def test_deconv_out_arguments(cs):
     got = cm.deconv_backward(dy, x, w, *args, dx_out=dx)
     assert got[0] is dx
     close(dx, ref[0], 1e-12)
+
+
+WINOGRAD_CASES = [
+    case(2, 3, (7, 8), 4, 3, 1, 1),
+    case(3, 4, (6, 5), 6, 3, 1, (0, 2), 1, 2),
+    case(1, 2, (3, 3), 2, 3, 1, 2),
+    case(3, 4, (1, 4), 4, 3, 1, 1),
+    case(2, 6, (9, 9), 3, 3, 1, (1, 0)),
+]
+
+
+@pytest.mark.parametrize("cs", WINOGRAD_CASES, ids=ids)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_winograd(cs, chunked, monkeypatch):
+    """F(2x2, 3x3) tiles, odd output sizes (a half-empty last tile), pads 0..2 per axis, groups,
+    and one image per workspace chunk: equal to the direct convolution."""
+    monkeypatch.setattr(cm, "WINOGRAD_MIN_CHANNELS", 1)
+    monkeypatch.setattr(cm, "WINOGRAD_MAX_WASTE", 1.0)
+    if chunked:
+        monkeypatch.setattr(cm, "WORKSPACE_BYTES", 1)
+    x, w, b, dy = make(cs)
+    args = cs[5:]
+    g = cm._Geom(x.shape[2:], w.shape[2:], *args[:3])
+    assert cm._use_winograd(g, w.shape[1], w.shape[0] // args[3])
+    close(cm.conv_forward(x, w, b, *args), ref_conv(x, w, b, *args), 1e-12)
+    for got, want in zip(cm.conv_backward(dy, x, w, *args), ref_conv_grads(dy, x, w, *args)):
+        close(got, want, 1e-12)
+    x32, w32, b32, dy32 = (a.astype(np.float32) for a in (x, w, b, dy))
+    close(cm.conv_forward(x32, w32, b32, *args), ref_conv(x, w, b, *args), 2e-6)
+    for got, want in zip(cm.conv_backward(dy32, x32, w32, *args),
+                         ref_conv_grads(dy, x, w, *args)):
+        close(got, want, 2e-6)
+
+
+def test_winograd_only_for_wide_3x3_stride_1():
+    def use(sp, k, stride, pad, dil, cg, og):
+        return cm._use_winograd(cm._Geom(sp, k, stride, pad, dil), cg, og)
+    wide = cm.WINOGRAD_MIN_CHANNELS
+    assert use((28, 28), 3, 1, 1, 1, wide, wide)
+    assert not use((28, 28), 3, 1, 1, 1, wide - 1, wide)
+    assert not use((28, 28), 3, 2, 1, 1, wide, wide)
+    assert not use((28, 28), 3, 1, 1, 2, wide, wide)
+    assert not use((28, 28), 3, 1, 3, 1, wide, wide)
+    assert not use((28, 28), 5, 1, 2, 1, wide, wide)
+    assert not use((8, 8, 8), 3, 1, 1, 1, wide, wide)
+    assert not use((13, 13), 3, 1, 1, 1, wide, wide)   # 14x14 of tiles: 16% more
+    assert use((27, 28), 3, 1, 1, 1, wide, wide)       # 28x28: 4% more

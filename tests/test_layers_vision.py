@@ -64,3 +64,16 @@ def test_inner_product_gradients(shape, param):
     x = net.blobs["x"].data.reshape(p.m, p.k)
     want = x @ (w if p.transpose else w.T) + (p.blobs[1].data if p.bias_term else 0)
     np.testing.assert_allclose(net.blobs["y"].data.reshape(p.m, -1), want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("shape,param", [
+    ((2, 3, 5, 6), "num_output: 4 kernel_size: 3 pad: 1"),
+    ((1, 4, 5, 5), "num_output: 2 kernel_size: 3 pad_h: 0 pad_w: 2 group: 2"),
+])
+def test_winograd_convolution_gradients(shape, param, monkeypatch):
+    """The Winograd F(2x2, 3x3) engine, taken for any width here."""
+    from caffepar.layers import conv_math
+    monkeypatch.setattr(conv_math, "WINOGRAD_MIN_CHANNELS", 1)
+    monkeypatch.setattr(conv_math, "WINOGRAD_MAX_WASTE", 1.0)
+    check_net_gradients(_net(f'type: "Convolution" convolution_param {{ {param} {FILLERS} }}',
+                             shape), {"x": RNG.standard_normal(shape)})
