@@ -1,17 +1,45 @@
 """GEMM written into existing (possibly strided) arrays, the one BLAS entry point of the layers.
 
 SciPy's f2py wrappers (`scipy.linalg.blas.sgemm`) copy any operand that is not Fortran-contiguous,
-and `numpy.matmul` has no beta, so big layers would make full-size temporaries. Here SciPy's own
-sgemm/dgemm (exported by `scipy.linalg.cython_blas`) are called through ctypes on row-major
-views with their leading dimensions; anything BLAS cannot read that way falls back to NumPy.
+and `numpy.matmul` has no beta, so big layers would make full-size temporaries. Here the Fortran
+sgemm/dgemm are called through ctypes on row-major views with their leading dimensions; anything
+BLAS cannot read that way falls back to NumPy.
+
+The BLAS is the OpenBLAS that NumPy's wheels bundle when it can be found (it is newer than SciPy's
+and about 1.3x faster on the thin GEMMs of small convolutions, and one library means one thread
+pool), else SciPy's exported one (`scipy.linalg.cython_blas`).
 """
 import ctypes
+import glob
+import os
 
 import numpy as np
 
 
-def _load_blas():
-    """Function pointers of SciPy's sgemm/dgemm, or {} when not reachable."""
+def _numpy_openblas():
+    """{dtype: (sgemm/dgemm, scalar type, integer type)} from NumPy's bundled OpenBLAS, or {}."""
+    root = os.path.dirname(np.__file__)
+    paths = sorted(glob.glob(os.path.join(root + ".libs", "libscipy_openblas*"))
+                   + glob.glob(os.path.join(root, ".dylibs", "libscipy_openblas*")))
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for suffix, integer in (("_64_", ctypes.c_int64), ("_", ctypes.c_int)):
+            try:
+                fns = [getattr(lib, f"scipy_{name}{suffix}") for name in ("sgemm", "dgemm")]
+            except AttributeError:
+                continue
+            for fn in fns:
+                fn.restype = None
+            return {np.dtype(np.float32): (fns[0], ctypes.c_float, integer),
+                    np.dtype(np.float64): (fns[1], ctypes.c_double, integer)}
+    return {}
+
+
+def _scipy_blas():
+    """The same from SciPy's exported BLAS, or {}."""
     try:
         from scipy.linalg import cython_blas
     except Exception:
@@ -30,8 +58,14 @@ def _load_blas():
         except Exception:
             continue
         if ptr:
-            found[np.dtype(dtype)] = (proto(ptr), scalar)
+            found[np.dtype(dtype)] = (proto(ptr), scalar, ctypes.c_int)
     return found
+
+
+def _load_blas():
+    if os.environ.get("CAFFEPAR_BLAS", "").lower() == "scipy":
+        return _scipy_blas()
+    return _numpy_openblas() or _scipy_blas()
 
 
 _BLAS = _load_blas()
@@ -56,7 +90,9 @@ def _ld(v):
 def gemm_views(a, b, c, trans_a=False, trans_b=False, beta=0.0):
     """c = op(a) @ op(b) + beta * c, in place, on row-major strided views."""
     m, n = c.shape
-    k = a.shape[0] if trans_a else a.shape[1]
+    (am, k), (kb, bn) = a.shape[::-1] if trans_a else a.shape, b.shape[::-1] if trans_b else b.shape
+    if (am, bn, kb) != (m, n, k):
+        raise ValueError(f"gemm: op(a) {am}x{k} times op(b) {kb}x{bn} cannot fill {m}x{n}")
     if m == 0 or n == 0:
         return
     if k == 0:
@@ -73,8 +109,7 @@ def gemm_views(a, b, c, trans_a=False, trans_b=False, beta=0.0):
         else:
             c += r
         return
-    fn, scalar = entry
-    ci = ctypes.c_int
+    fn, scalar, ci = entry
     # Row-major C = A B is column-major C^T = B^T A^T.
     fn(_TRANS[trans_b], _TRANS[trans_a],
        ctypes.byref(ci(n)), ctypes.byref(ci(m)), ctypes.byref(ci(k)),
@@ -83,8 +118,6 @@ def gemm_views(a, b, c, trans_a=False, trans_b=False, beta=0.0):
        ctypes.c_void_p(a.ctypes.data), ctypes.byref(ci(lda)),
        ctypes.byref(scalar(beta)),
        ctypes.c_void_p(c.ctypes.data), ctypes.byref(ci(ldc)))
-
-
 
 
 def gemm(a, b, out, beta=0.0):
