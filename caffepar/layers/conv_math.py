@@ -44,6 +44,7 @@ import numpy as np
 from caffepar.layers.blas import gemm_views as _gemm
 
 __all__ = [
+    "conv_engine",
     "conv_forward",
     "conv_backward",
     "deconv_forward",
@@ -1006,23 +1007,41 @@ def conv_forward(x, w, b, stride, pad, dilation, group, out=None):
     return _deliver(y, final)
 
 
+def _forward_engine(g, cg, og, group):
+    if _use_winograd(g, cg, og):
+        return "winograd"
+    if _is_pointwise(g) and g.qsize >= POINTWISE_DIRECT_MIN:
+        return "pointwise"
+    if _use_cols(g, cg, og, group):
+        return "band" if _use_band(g, group) and cg < COLS_MAX_CHANNELS else "im2col"
+    return "grid"
+
+
+def conv_engine(in_spatial, w_shape, stride, pad, dilation, group):
+    """Which engine runs a convolution's forward: winograd, pointwise, band,
+    im2col or grid (per-tap GEMMs); benchmarks print it."""
+    g = _Geom(in_spatial, w_shape[2:], stride, pad, dilation)
+    return _forward_engine(g, w_shape[1], w_shape[0] // group, group)
+
+
 def _conv_forward_into(g, x, w, bias, y, group, dt):
     n, c = x.shape[:2]
     o, cg = w.shape[:2]
     og = o // group
-    if _use_winograd(g, cg, og):
+    engine = _forward_engine(g, cg, og, group)
+    if engine == "winograd":
         _wino_forward(x, w, bias, y, g.pad, group, dt)
         return
-    if _is_pointwise(g) and g.qsize >= POINTWISE_DIRECT_MIN:
+    if engine == "pointwise":
         _pointwise_forward(x, w, y, group)
         if bias is not None:
             y += bias.reshape(_bias_shape(g.nd))
         return
-    if _use_cols(g, cg, og, group):
-        if _use_band(g, group) and cg < COLS_MAX_CHANNELS:
-            _band_forward(g, x, w, bias, y, dt)
-        else:
-            _cols_forward(g, x, w, bias, y, group, dt)
+    if engine == "band":
+        _band_forward(g, x, w, bias, y, dt)
+        return
+    if engine == "im2col":
+        _cols_forward(g, x, w, bias, y, group, dt)
         return
     wt = _tap_weights(w, group)
     per_image = (c * len(g.phases) + o) * g.qsize * dt.itemsize
