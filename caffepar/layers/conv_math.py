@@ -1,8 +1,8 @@
 """Convolution arithmetic with Caffe's semantics, built on BLAS GEMM.
 
 Blobs are (N, C, *spatial); weights (O, C/group, *kernel). Any number of
-spatial axes goes through the same two engines; which one runs is chosen per
-layer shape (``_use_cols``):
+spatial axes goes through the first two engines; which engine runs is chosen
+per layer shape (``_forward_engine``):
 
 * Per-tap GEMMs on a flat grid (many channels, large images). The padded
   input of a chunk of images is laid out channel-major as
@@ -22,17 +22,16 @@ layer shape (``_use_cols``):
   small the image; only the kw column taps are gathered from x, and the kh
   row taps are row-shifted views of (or block copies from) that buffer (see
   ``_BandPlan``). dx is the same path run on dy with flipped kernels.
+* Winograd F(2x2, 3x3) for 3x3 stride-1 layers with many channels on both
+  sides (VGG's conv2_2 onwards): 2.25x fewer multiplies, all transforms done
+  as GEMMs; results differ from a direct convolution by float32 rounding.
 
-Temporary workspace is bounded: images are processed in chunks
-(``WORKSPACE_BYTES``), column buffers in blocks (``COLS_BYTES``,
-``BAND_BYTES``), and the work arrays are reused across calls
-(``release_workspace`` frees them). Results can be written into the caller's
-arrays (``out=``, ``dx_out=``), which saves the layer a copy.
-
-GEMMs go through SciPy's exported BLAS (``scipy.linalg.cython_blas``) called
-with ctypes, because the f2py wrappers in ``scipy.linalg.blas`` copy any view
-that is not Fortran-contiguous, and ``numpy.matmul`` has no beta. If that
-entry point is unavailable a NumPy fallback is used.
+``conv_engine`` tells which engine a layer shape gets. Temporary workspace
+is bounded: images are processed in chunks (``WORKSPACE_BYTES``), column
+buffers in blocks (``COLS_BYTES``, ``BAND_BYTES``), and the work arrays are
+reused across calls (``release_workspace`` frees them). Results can be
+written into the caller's arrays (``out=``, ``dx_out=``), which saves the
+layer a copy. GEMMs go through ``caffepar.layers.blas`` on strided views.
 """
 
 import itertools
