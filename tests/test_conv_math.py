@@ -274,7 +274,11 @@ DECONV_CASES = [
 
 @pytest.mark.parametrize("cs", DECONV_CASES, ids=ids)
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-4)])
-def test_deconv(cs, dtype, tol):
+@pytest.mark.parametrize("winograd", [False, True])
+def test_deconv(cs, dtype, tol, winograd, monkeypatch):
+    if winograd:
+        monkeypatch.setattr(cm, "WINOGRAD_MIN_CHANNELS", 1)
+        monkeypatch.setattr(cm, "WINOGRAD_MAX_WASTE", 1.0)
     n, cin, sp, cout, k, stride, pad, dil, group = cs
     rng = np.random.default_rng(3)
     x = rng.standard_normal((n, cin) + sp)

@@ -854,12 +854,13 @@ class _WinoTiles:
         _gemm(_wino_mats(dt)[0], tiles.reshape(16, -1), v)
         return v.reshape(16, c, m * self.tiles)
 
-    def quads(self, dy_chunk, z):
-        """The four (a, b) output phases of y (or dy), paired with z's (O, m, ty, tx) views."""
+    def quads(self, out, z):
+        """The four (a, b) pixel phases of a chunk of y or dy (m, O, OH, OW) as (O, m, ., .)
+        views, each paired with its cells of the tile-layout z (2, 2, O, m, ty, tx)."""
         for a in range(2):
             for b in range(2):
                 ny, nx = (self.oh - a + 1) // 2, (self.ow - b + 1) // 2
-                yield (dy_chunk[:, :, a::2, b::2].transpose(1, 0, 2, 3),
+                yield (out[:, :, a::2, b::2].transpose(1, 0, 2, 3),
                        z[a, b, :, :, :ny, :nx])
 
 
@@ -1103,7 +1104,7 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
         if not (g.x_full or use_cols or wino):
             dx.fill(0)
     if wino:
-        dw = _wino_backward(np.ascontiguousarray(dy), x, w, dx, g.pad, group, need_dw, dt)
+        dw = _wino_backward(dy, x, w, dx, g.pad, group, need_dw, dt)
         db = dy.sum(axis=(0, 2, 3), dtype=dt) if need_db else None
         return (None if dx is None else _deliver(dx, final)), dw, db
     dx, dw, db = _conv_backward_into(g, dy, x, w, dx, group, need_dw, need_db, dt, use_cols)
