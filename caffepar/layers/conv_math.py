@@ -1121,10 +1121,12 @@ def _conv_backward_into(g, dy, x, w, dx, group, need_dw, need_db, dt, use_cols):
         band = _use_band(g, group) and cg < COLS_MAX_CHANNELS
         gt = _flipped_geom(g) if (need_dx and cg >= FLIP_MIN_CHANNELS) else None
         if gt is not None:
+            # dx is a forward convolution in its own right (dy has og channels per group):
+            # small images stay on the band path, others take the engine that shape suits.
             if band:
                 _band_forward(gt, dy, _flipped_weights(w, group), None, dx, dt)
             else:
-                _cols_forward(gt, dy, _flipped_weights(w, group), None, dx, group, dt)
+                _conv_forward_into(gt, dy, _flipped_weights(w, group), None, dx, group, dt)
         if not band:
             dw, db = _cols_backward(g, dy, x, w, dx if gt is None else None, group,
                                     need_dw, need_db, dt)
