@@ -525,8 +525,9 @@ class Solver:
 
     # ------------------------------------------------------------------ update
     def apply_update(self):
-        """SGDSolver::ApplyUpdate: rate, clip, then per blob normalize, regularize and the
-        solver's rule, then data -= diff for every blob, then iter += 1."""
+        """SGDSolver::ApplyUpdate then Net::Update: rate, clip, then per blob normalize,
+        regularize, the solver's rule and data -= diff (a chunk at a time; every element is
+        independent, so this equals Caffe's blob-by-blob order), then iter += 1."""
         p = self.param
         rate, self.current_step = learning_rate(p, self.iter, self.current_step)
         self.last_lr = rate
@@ -557,8 +558,7 @@ class Solver:
                                   scratch[0])
                 self.rule.update(gc, [h[start:stop] for h in hist], local_rate, self.iter,
                                  scratch)
-        for blob in params:
-            blob.data -= blob.diff
+                w[start:stop] -= gc     # Net::Update, while the chunk is in cache
         self.iter += 1
 
     # ------------------------------------------------------------------ snapshots
