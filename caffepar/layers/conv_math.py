@@ -361,6 +361,9 @@ class _ColsPlan:
         self.rows = int(min(g.out[0], max(1, max_cols // (self.rest * self.nb))))
         self.ncols = self.rows * self.rest * self.nb
         self.taps = list(itertools.product(*[range(k) for k in g.kernel]))
+        # Strided layers gather x into its polyphase grid first (as the grid engine does), so
+        # that every tap reads unit-stride runs instead of every s-th value.
+        self.phased = not self.batch_last and any(st > 1 for st in g.stride)
 
     def chunks(self, n):
         for n0 in range(0, n, self.nb):
@@ -396,19 +399,35 @@ class _ColsPlan:
 
 
 def _pad_chunk(g, plan, xc, dt):
-    """(m, C, *S) -> zero-padded chunk layout."""
+    """(m, C, *S) -> zero-padded chunk layout (for strided layers: the polyphase grid,
+    (C, phases, m, *Q))."""
+    if plan.phased:
+        return _gather(g, xc, dt).reshape((xc.shape[1], len(g.phases), xc.shape[0]) + g.q)
     xt = _scratch("xt", plan.layout_shape(xc.shape[1], xc.shape[0], plan.sp), dt, True)
     np.copyto(xt[plan.interior(g)], plan.to_layout(xc))
     return xt
+
+
+def _phased_tap_index(g, kidx, r0, rows):
+    """Index of tap kidx's input over output rows r0 .. r0+rows in the polyphase grid."""
+    phase = g.phases.index(tuple((i * d) % st for i, d, st in
+                                 zip(kidx, g.dilation, g.stride)))
+    shift = [(i * d) // st for i, d, st in zip(kidx, g.dilation, g.stride)]
+    sl = [slice(shift[0] + r0, shift[0] + r0 + rows)]
+    sl += [slice(sh, sh + o) for sh, o in zip(shift[1:], g.out[1:])]
+    return (slice(None), phase, slice(None)) + tuple(sl)
 
 
 def _fill_cols(plan, g, xt, cols, group, r0, rows):
     """cols[gi, t*cg + c, columns] = padded input under tap t."""
     c = xt.shape[0]
     cg = c // group
-    ncol = rows * plan.rest * (xt.shape[-1] if plan.batch_last else xt.shape[1])
+    ncol = rows * plan.rest * (xt.shape[-1] if plan.batch_last else xt.shape[-g.nd - 1])
     for t, kidx in enumerate(plan.taps):
-        src = xt[plan.tap_index(g, kidx, r0, rows)]
+        if plan.phased:
+            src = xt[_phased_tap_index(g, kidx, r0, rows)]
+        else:
+            src = xt[plan.tap_index(g, kidx, r0, rows)]
         src = src.reshape((group, cg) + src.shape[1:])
         np.copyto(cols[:, t * cg:(t + 1) * cg, :ncol].reshape(src.shape), src)
 
