@@ -1,5 +1,9 @@
 """BLAS threads per MPI rank, decided before NumPy loads its BLAS: cores / ranks on this node,
-unless the user set a thread count."""
+unless the user set a thread count.
+
+OpenBLAS's idle worker threads also spin for about a tenth of a second after every GEMM by
+default; between GEMMs the layers' NumPy copies (and the data prefetch threads) need that core, so
+workers are told to sleep at once (OPENBLAS_THREAD_TIMEOUT, unless the user set it)."""
 import os
 
 _THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -25,3 +29,4 @@ def set_blas_threads_for_mpi():
 
 
 set_blas_threads_for_mpi()
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")

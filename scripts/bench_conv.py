@@ -16,9 +16,10 @@ import os
 import sys
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import caffepar  # noqa: E402,F401  (sets BLAS threading up before NumPy loads it)
+import numpy as np  # noqa: E402
 
 from caffepar.layers import conv_math as cm  # noqa: E402
 

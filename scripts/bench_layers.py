@@ -17,10 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import caffepar  # noqa: E402,F401  (sets BLAS threading up before NumPy loads it)
+import numpy as np  # noqa: E402
 
 
 def best_time(fn, repeat, budget=1.0):

@@ -14,11 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+
+import caffepar  # noqa: E402,F401  (sets BLAS threading up before NumPy loads it)
+import numpy as np  # noqa: E402
 
 from bench_layers import load_net  # noqa: E402
 

@@ -43,3 +43,24 @@ def test_shape_mismatch_is_an_error():
         blas.gemm_views(a, b, np.empty((3, 6), np.float32))
     with pytest.raises(ValueError):
         blas.gemm_views(a, b, np.empty((3, 5), np.float32), trans_a=True)
+
+
+def test_idle_blas_workers_sleep():
+    """After a GEMM, OpenBLAS's worker threads must not spin on the cores the layers' NumPy
+    work and the data threads need (caffepar sets OPENBLAS_THREAD_TIMEOUT before NumPy loads)."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import caffepar, numpy as np, resource, time\n"
+        "a = np.ones((512, 512), np.float32)\n"
+        "a @ a\n"
+        "r0 = resource.getrusage(resource.RUSAGE_SELF)\n"
+        "time.sleep(0.3)\n"
+        "r1 = resource.getrusage(resource.RUSAGE_SELF)\n"
+        "print(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)\n")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    env["OPENBLAS_NUM_THREADS"] = "2"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert float(out.stdout) < 0.03, f"BLAS workers used {out.stdout.strip()} s of CPU while idle"
