@@ -90,7 +90,8 @@ def _ld(v):
 def gemm_views(a, b, c, trans_a=False, trans_b=False, beta=0.0):
     """c = op(a) @ op(b) + beta * c, in place, on row-major strided views."""
     m, n = c.shape
-    (am, k), (kb, bn) = a.shape[::-1] if trans_a else a.shape, b.shape[::-1] if trans_b else b.shape
+    am, k = a.shape[::-1] if trans_a else a.shape
+    kb, bn = b.shape[::-1] if trans_b else b.shape
     if (am, bn, kb) != (m, n, k):
         raise ValueError(f"gemm: op(a) {am}x{k} times op(b) {kb}x{bn} cannot fill {m}x{n}")
     if m == 0 or n == 0:
