@@ -4,6 +4,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 
 from caffepar._threads import threads_per_rank
 
@@ -49,11 +51,36 @@ def relaunch(ranks, argv, threads=None, mpiexec=None):
             env[var] = n
     env["CAFFEPAR_MPI"] = "1"
     cmd = [exe, "-n", str(ranks), sys.executable, "-m", "caffepar.cli"] + list(argv)
-    return subprocess.call(cmd, env=env)
+    fd, report = tempfile.mkstemp(prefix="caffepar-abort-", suffix=".txt")
+    os.close(fd)
+    env[ABORT_REPORT_VAR] = report
+    try:
+        status = subprocess.call(cmd, env=env)
+        with open(report, encoding="utf-8", errors="replace") as f:
+            reasons = f.read()
+        if reasons:
+            sys.stderr.write(reasons)
+            sys.stderr.flush()
+        return status
+    finally:
+        os.unlink(report)
+
+
+#: Set by `relaunch`: the file a failing rank writes its reason to. mpiexec may tear down
+#: the output forwarding of the ranks it kills before their last lines arrive, so the
+#: launcher prints the reason itself once the job has ended.
+ABORT_REPORT_VAR = "CAFFEPAR_ABORT_REPORT"
 
 
 def abort_all(comm, message, code=1):
-    """Print the failing rank's reason and end every rank of the job."""
-    sys.stderr.write(f"[rank {comm.rank}] {message}\n")
-    sys.stderr.flush()
+    """Report the failing rank's reason and end every rank of the job."""
+    line = f"[rank {comm.rank}] {message}\n"
+    report = os.environ.get(ABORT_REPORT_VAR)
+    if report:
+        with open(report, "a", encoding="utf-8") as f:
+            f.write(line)
+    else:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        time.sleep(0.5)     # a launcher we did not start forwards output asynchronously
     comm.abort(code)
