@@ -11,6 +11,7 @@ layers over the iteration time). PyTorch: `pip install torch==2.13.0` (a CPU bui
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def dummy_solver_param(name, batch):
     param = caffe_pb2.SolverParameter(base_lr=0.001, momentum=0.9, weight_decay=0.0005,
                                       lr_policy="fixed", max_iter=10 ** 6, display=0,
                                       snapshot_after_train=False, random_seed=1,
-                                      snapshot_prefix="/tmp/bench_train")
+                                      snapshot_prefix=os.path.join(tempfile.gettempdir(), "bench_train"))
     param.net_param.CopyFrom(net)
     return param
 
