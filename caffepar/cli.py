@@ -309,10 +309,7 @@ def convert_npz(weights, out):
 def convert_caffemodel(npz, model, out, allow_missing):
     """NPZ weights + net MODEL -> caffemodel OUT (HDF5 when OUT ends in .h5)."""
     from caffepar.convert.npz import convert_weights
-    fmt, report = convert_weights(npz, out, model=model, allow_missing=allow_missing)
-    for line in report.lines():
-        click.echo(line)
-    click.echo(f"wrote {out} ({fmt})")
+    _report_conversion(*convert_weights(npz, out, model=model, allow_missing=allow_missing), out)
 
 
 @convert_group.command("weights")
@@ -326,10 +323,14 @@ def convert_weights_cmd(src, dst, model, allow_missing):
     """Weights SRC (binary/HDF5 caffemodel, npz, or a .solverstate snapshot) -> DST, weights
     only; the format follows DST's name (.h5, .npz, else binary)."""
     from caffepar.convert.npz import convert_weights
-    fmt, report = convert_weights(src, dst, model=model, allow_missing=allow_missing)
+    _report_conversion(*convert_weights(src, dst, model=model, allow_missing=allow_missing), dst)
+
+
+def _report_conversion(fmt, report, out):
+    """The load report's lines (when weights went through a net), then what was written."""
     for line in report.lines() if report else []:
         click.echo(line)
-    click.echo(f"wrote {dst} ({fmt})")
+    click.echo(f"wrote {out} ({fmt})")
 
 
 @convert_group.command("onnx")

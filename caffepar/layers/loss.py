@@ -30,6 +30,24 @@ def softmax(x, axis, out=None):
     return out
 
 
+def split_label_axis(layer, bottom, axis_value, label_what="label"):
+    """Set layer.axis and the (outer, channels, inner) split of bottom[0] around it; bottom[1]
+    must hold one label per outer x inner position, as Caffe checks."""
+    shape = bottom[0].shape
+    try:
+        layer.axis = canonical_axis(axis_value, len(shape))
+    except ValueError as e:
+        raise layer.error(str(e)) from None
+    layer.outer = int(np.prod(shape[:layer.axis]))
+    layer.channels = int(shape[layer.axis])
+    layer.inner = int(np.prod(shape[layer.axis + 1:]))
+    if layer.outer * layer.inner != bottom[1].count:
+        raise layer.error(
+            f"number of labels must match number of predictions; with axis {layer.axis} and "
+            f"prediction shape {shape} the {label_what} count must be "
+            f"{layer.outer * layer.inner}, got {bottom[1].count}")
+
+
 class LossLayer(Layer):
     """Caffe's LossLayer: two bottoms with the same first axis, one 0-axis top, weight 1."""
 
@@ -93,19 +111,7 @@ class NormalizedLoss(LossLayer):
         return max(1.0, float(n))
 
     def split_axis(self, bottom, axis_value, label_what="label"):
-        shape = bottom[0].shape
-        try:
-            self.axis = canonical_axis(axis_value, len(shape))
-        except ValueError as e:
-            raise self.error(str(e)) from None
-        self.outer = int(np.prod(shape[:self.axis]))
-        self.channels = int(shape[self.axis])
-        self.inner = int(np.prod(shape[self.axis + 1:]))
-        if self.outer * self.inner != bottom[1].count:
-            raise self.error(
-                f"number of labels must match number of predictions; with axis {self.axis} and "
-                f"prediction shape {shape} the {label_what} count must be "
-                f"{self.outer * self.inner}, got {bottom[1].count}")
+        split_label_axis(self, bottom, axis_value, label_what)
 
     def labels(self, bottom):
         """Integer labels (outer, inner), the valid mask, and labels safe for indexing."""
@@ -466,17 +472,7 @@ class AccuracyLayer(Layer):
         if bottom[1].count == 0 or self.top_k > bottom[0].count // bottom[1].count:
             raise self.error("top_k must be less than or equal to the number of classes, got "
                              f"top_k {self.top_k}")
-        shape = bottom[0].shape
-        try:
-            self.axis = canonical_axis(self.param.accuracy_param.axis, len(shape))
-        except ValueError as e:
-            raise self.error(str(e)) from None
-        self.outer = int(np.prod(shape[:self.axis]))
-        self.channels = int(shape[self.axis])
-        self.inner = int(np.prod(shape[self.axis + 1:]))
-        if self.outer * self.inner != bottom[1].count:
-            raise self.error(f"number of labels must match number of predictions; expected "
-                             f"{self.outer * self.inner} labels, got {bottom[1].count}")
+        split_label_axis(self, bottom, self.param.accuracy_param.axis)
         top[0].reshape(())
         if len(top) > 1:
             top[1].reshape((self.channels,))
