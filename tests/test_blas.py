@@ -10,7 +10,7 @@ LOADERS = {"numpy-openblas": blas._numpy_openblas, "scipy": blas._scipy_blas}
 @pytest.mark.parametrize("loader", sorted(LOADERS))
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_gemm_views(loader, dtype, monkeypatch):
-    table = LOADERS[loader]()
+    table, _ = LOADERS[loader]()
     if not table:
         pytest.skip(f"{loader} BLAS not found in this install")
     monkeypatch.setattr(blas, "_BLAS", table)
@@ -64,3 +64,50 @@ def test_idle_blas_workers_sleep():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
     assert float(out.stdout) < 0.03, f"BLAS workers used {out.stdout.strip()} s of CPU while idle"
+
+
+def test_single_threaded_blas_nests_and_restores():
+    """Work split over Python threads runs single-threaded GEMMs; nested or concurrent users
+    share one saved count, and the outermost exit restores it."""
+    if blas._THREADS is None:
+        pytest.skip("this BLAS's thread count cannot be set")
+    get = blas._THREADS[0]
+    before = get()
+    with blas.single_threaded_blas():
+        assert get() == 1 and blas.blas_threads() == before
+        with blas.single_threaded_blas():
+            assert get() == 1
+        assert get() == 1
+    assert get() == before == blas.blas_threads()
+
+
+def test_no_thread_control_means_no_split(monkeypatch):
+    monkeypatch.setattr(blas, "_THREADS", None)
+    assert blas.blas_threads() == 1
+    with blas.single_threaded_blas():
+        pass
+    assert blas.run_parts(list, [1, 2, 3]) == [[1, 2, 3]]
+
+
+def test_run_parts_keeps_order_and_raises_worker_errors():
+    """Parts come back in block order; a part that fails raises in the caller once every part
+    has ended, and GEMMs get their thread count back."""
+    threads = blas.blas_threads()
+    seen = []
+
+    def part(items):
+        seen.append(blas._THREADS[0]() if blas._THREADS else 1)
+        return list(items)
+
+    assert blas.run_parts(part, list(range(7)), 3) == [[0, 1], [2, 3], [4, 5, 6]]
+    assert seen == [1, 1, 1] or blas._THREADS is None
+    assert blas.run_parts(part, [1], 4) == [[1]]
+
+    def fail_last(items):
+        if 9 in items:
+            raise MemoryError("part with 9")
+        return items
+
+    with pytest.raises(MemoryError, match="part with 9"):
+        blas.run_parts(fail_last, list(range(10)), 2)
+    assert blas.blas_threads() == threads

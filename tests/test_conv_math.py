@@ -360,24 +360,33 @@ BAND_CASES = [
 @pytest.mark.parametrize("cs", BAND_CASES, ids=ids)
 @pytest.mark.parametrize("fold_all", [True, False])
 @pytest.mark.parametrize("blocks", ["one row", "row bands", "image batches", "whole"])
-def test_band_folds_and_blocks(cs, fold_all, blocks, monkeypatch):
-    """Full and per-column-tap folding, image batches and row bands with halo."""
+@pytest.mark.parametrize("workers", [1, 3])
+def test_band_folds_and_blocks(cs, fold_all, blocks, workers, monkeypatch):
+    """Full and per-column-tap folding, image batches and row bands with halo, the blocks run
+    on one thread or split over three."""
     monkeypatch.setattr(cm, "BAND_FOLD_ALL", 1 << 30 if fold_all else 1)
     monkeypatch.setattr(cm, "FLIP_MIN_CHANNELS", 1)
+    monkeypatch.setattr(cm, "blas_threads", lambda: workers)
     x, w, b, dy = make(cs)
+    n = x.shape[0]
     args = cs[5:]
     g = cm._Geom(x.shape[2:], w.shape[2:], *args[:3])
     assert cm._use_band(g, args[3]) and cm._use_cols(g, w.shape[1], w.shape[0], args[3])
-    plan = cm._BandPlan(g, x.shape[0], x.shape[1], 8)
+    plan = cm._BandPlan(g, n, x.shape[1], 8)
     row = (plan.k + (plan.depth if fold_all else 0)) * plan.wo * 8
     budget = {"one row": 1, "row bands": (2 + plan.halo) * row,
               "image batches": 2 * (g.out[0] + plan.halo) * row, "whole": 1 << 30}[blocks]
-    monkeypatch.setattr(cm, "BAND_BYTES", budget)
-    plan = cm._BandPlan(g, x.shape[0], x.shape[1], 8)
+    monkeypatch.setattr(cm, "BAND_BYTES", budget * workers)
+    plan = cm._BandPlan(g, n, x.shape[1], 8, workers)
     assert plan.fold_all == fold_all
-    assert (plan.nb, plan.rows) == {"one row": (1, 1), "row bands": (1, 2),
-                                    "image batches": (2, g.out[0]),
-                                    "whole": (x.shape[0], g.out[0])}[blocks]
+    nb, rows = {"one row": (1, 1), "row bands": (1, 2), "image batches": (2, g.out[0]),
+                "whole": (n, g.out[0])}[blocks]
+    assert plan.rows == rows
+    if workers == 1:
+        assert plan.nb == nb
+    else:                               # as many blocks as fit, in a multiple of the threads
+        nblocks = len(list(plan.blocks(g, n)))
+        assert plan.nb <= nb and (nblocks % workers == 0 or plan.nb == 1)
     close(cm.conv_forward(x, w, b, *args), ref_conv(x, w, b, *args), 1e-10)
     for got, want in zip(cm.conv_backward(dy, x, w, *args), ref_conv_grads(dy, x, w, *args)):
         close(got, want, 1e-10)

@@ -281,10 +281,18 @@ def block_bytes(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=[1, 3], ids=["1-thread", "3-threads"])
+def workers(request, monkeypatch):
+    """The blocks run on one thread, or spread over three."""
+    from caffepar.layers import pooling
+    monkeypatch.setattr(pooling, "blas_threads", lambda: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("case", FAST_CASES, ids=[c[1] for c in FAST_CASES])
 @pytest.mark.parametrize("method,values", [("MAX", "normal"), ("MAX", "ties"), ("MAX", "nan_inf"),
                                            ("AVE", "normal")])
-def test_fast_path_matches_loops(method, case, values, block_bytes):
+def test_fast_path_matches_loops(method, case, values, block_bytes, workers):
     shape, text, geom, ceil_mode = case
     rng = np.random.default_rng(11)
     x = rng.standard_normal(shape)

@@ -8,16 +8,24 @@ BLAS cannot read that way falls back to NumPy.
 The BLAS is the OpenBLAS that NumPy's wheels bundle when it can be found (it is newer than SciPy's
 and about 1.3x faster on the thin GEMMs of small convolutions, and one library means one thread
 pool), else SciPy's exported one (`scipy.linalg.cython_blas`).
+
+The cores a process may use are its BLAS threads (`blas_threads`, set per MPI rank by
+`caffepar._threads`). Layers whose work comes in independent blocks can instead run the blocks
+side by side on that many Python threads (`run_parts`), each with single-threaded GEMMs.
 """
+import contextlib
 import ctypes
 import glob
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
 
 def _numpy_openblas():
-    """{dtype: (sgemm/dgemm, scalar type, integer type)} from NumPy's bundled OpenBLAS, or {}."""
+    """({dtype: (sgemm/dgemm, scalar type, integer type)}, (get, set) of its thread count or
+    None) from NumPy's bundled OpenBLAS, or ({}, None)."""
     root = os.path.dirname(np.__file__)
     paths = sorted(glob.glob(os.path.join(root + ".libs", "libscipy_openblas*"))
                    + glob.glob(os.path.join(root, ".dylibs", "libscipy_openblas*")))
@@ -33,17 +41,31 @@ def _numpy_openblas():
                 continue
             for fn in fns:
                 fn.restype = None
-            return {np.dtype(np.float32): (fns[0], ctypes.c_float, integer),
-                    np.dtype(np.float64): (fns[1], ctypes.c_double, integer)}
-    return {}
+            gemms = {np.dtype(np.float32): (fns[0], ctypes.c_float, integer),
+                     np.dtype(np.float64): (fns[1], ctypes.c_double, integer)}
+            return gemms, _thread_control(lib, suffix)
+    return {}, None
+
+
+def _thread_control(lib, suffix):
+    """(get, set) of an OpenBLAS's thread count, or None."""
+    tag = suffix.strip("_")
+    try:
+        get = getattr(lib, f"scipy_openblas_get_num_threads{tag}_")
+        put = getattr(lib, f"scipy_openblas_set_num_threads{tag}_")
+    except AttributeError:
+        return None
+    get.restype, get.argtypes = ctypes.c_int, []
+    put.restype, put.argtypes = None, [ctypes.c_int]
+    return get, put
 
 
 def _scipy_blas():
-    """The same from SciPy's exported BLAS, or {}."""
+    """The same from SciPy's exported BLAS (whose thread count is not reachable), or ({}, None)."""
     try:
         from scipy.linalg import cython_blas
     except Exception:
-        return {}
+        return {}, None
     get_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(
         ("PyCapsule_GetName", ctypes.pythonapi))
     get_ptr = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
@@ -59,16 +81,53 @@ def _scipy_blas():
             continue
         if ptr:
             found[np.dtype(dtype)] = (proto(ptr), scalar, ctypes.c_int)
-    return found
+    return found, None
 
 
 def _load_blas():
-    if os.environ.get("CAFFEPAR_BLAS", "").lower() == "scipy":
-        return _scipy_blas()
-    return _numpy_openblas() or _scipy_blas()
+    if os.environ.get("CAFFEPAR_BLAS", "").lower() != "scipy":
+        found = _numpy_openblas()
+        if found[0]:
+            return found
+    return _scipy_blas()
 
 
-_BLAS = _load_blas()
+_BLAS, _THREADS = _load_blas()
+_THREADS_LOCK = threading.Lock()
+_single_users = 0
+_saved_threads = 1
+
+
+def blas_threads():
+    """How many threads a GEMM runs on; 1 when the BLAS's thread count cannot be set (so
+    callers never split work they cannot hand to single-threaded GEMMs)."""
+    if _THREADS is None:
+        return 1
+    with _THREADS_LOCK:
+        return _saved_threads if _single_users else max(1, _THREADS[0]())
+
+
+@contextlib.contextmanager
+def single_threaded_blas():
+    """GEMMs run on the calling thread only, for work split over Python threads by the caller.
+    OpenBLAS's count is process-wide, so nested and concurrent users share one saved value."""
+    global _single_users, _saved_threads
+    if _THREADS is None:
+        yield
+        return
+    get, put = _THREADS
+    with _THREADS_LOCK:
+        if not _single_users:
+            _saved_threads = get()
+            put(1)
+        _single_users += 1
+    try:
+        yield
+    finally:
+        with _THREADS_LOCK:
+            _single_users -= 1
+            if not _single_users:
+                put(_saved_threads)
 _TRANS = {False: ctypes.c_char_p(b"N"), True: ctypes.c_char_p(b"T")}
 
 
@@ -131,3 +190,32 @@ def gemm(a, b, out, beta=0.0):
         b, trans_b = b.T, True
     gemm_views(a, b, out, trans_a, trans_b, beta)
     return out
+
+
+_WORKERS = []
+
+
+def run_parts(fn, items, workers=None):
+    """[fn(part) for part in items split into contiguous parts], the parts side by side on up to
+    `workers` (default: the BLAS's thread count) Python threads with single-threaded GEMMs.
+
+    Thin GEMMs (a few dozen output channels) keep two cores busier this way than split inside
+    BLAS, and NumPy's copies and ufuncs between them release the GIL, so they run in parallel
+    too. fn must keep its scratch arrays per thread. A part that raises re-raises here, once
+    every part has ended."""
+    workers = min(blas_threads() if workers is None else workers, len(items))
+    if workers <= 1:
+        return [fn(items)]
+    bounds = [len(items) * i // workers for i in range(workers + 1)]
+    parts = [items[a:b] for a, b in zip(bounds, bounds[1:])]
+    with _THREADS_LOCK:
+        while len(_WORKERS) < workers - 1:
+            _WORKERS.append(ThreadPoolExecutor(1, thread_name_prefix="caffepar-part"))
+        pools = _WORKERS[:workers - 1]
+    with single_threaded_blas():
+        futures = [pool.submit(fn, part) for pool, part in zip(pools, parts[1:])]
+        try:
+            first = fn(parts[0])
+        finally:
+            wait(futures)
+    return [first] + [f.result() for f in futures]

@@ -21,7 +21,10 @@ per layer shape (``_forward_engine``):
   layers): columns span a whole batch of images, so GEMMs are long however
   small the image; only the kw column taps are gathered from x, and the kh
   row taps are row-shifted views of (or block copies from) that buffer (see
-  ``_BandPlan``). dx is the same path run on dy with flipped kernels.
+  ``_BandPlan``). dx is the same path run on dy with flipped kernels. The
+  blocks run side by side, one Python thread per core with single-threaded
+  GEMMs (``run_parts``): these GEMMs have a few dozen rows, which BLAS's own
+  threads split poorly, and the copies between them then run in parallel.
 * Winograd F(2x2, 3x3) for 3x3 stride-1 layers with many channels on both
   sides (VGG's conv2_2 onwards): 2.25x fewer multiplies, all transforms done
   as GEMMs; results differ from a direct convolution by float32 rounding.
@@ -40,6 +43,7 @@ import threading
 
 import numpy as np
 
+from caffepar.layers.blas import blas_threads, run_parts
 from caffepar.layers.blas import gemm_views as _gemm
 
 __all__ = [
@@ -186,6 +190,7 @@ class _Geom:
 
 
 _POOL = threading.local()
+_ALL_POOLS = []
 
 
 def _scratch(key, shape, dtype, zero=False):
@@ -199,6 +204,7 @@ def _scratch(key, shape, dtype, zero=False):
     bufs = getattr(_POOL, "bufs", None)
     if bufs is None:
         bufs = _POOL.bufs = {}
+        _ALL_POOLS.append(bufs)
     raw = bufs.get(key)
     if raw is None or raw.nbytes < nbytes:
         bufs.pop(key, None)
@@ -210,8 +216,9 @@ def _scratch(key, shape, dtype, zero=False):
 
 
 def release_workspace():
-    """Free this thread's cached work arrays."""
-    _POOL.bufs = {}
+    """Free the cached work arrays (of every thread; call it between passes)."""
+    for bufs in _ALL_POOLS:
+        bufs.clear()
 
 
 def _workspace_chunk(per_image_bytes, n):
@@ -577,10 +584,11 @@ class _BandPlan:
       output and dy move to and from NCHW in runs of whole images.
 
     Blocks hold nb images, or for large images a band of rows plus the
-    kernel's halo, within BAND_BYTES.
+    kernel's halo, within BAND_BYTES shared by the threads that run blocks
+    side by side (``workers``); the block count is a multiple of theirs.
     """
 
-    def __init__(self, g, n, c, isz):
+    def __init__(self, g, n, c, isz, workers=1):
         kh, kw = g.kernel
         self.fold_all = c * kw < BAND_FOLD_ALL
         self.row_step = g.dilation[0]
@@ -592,13 +600,14 @@ class _BandPlan:
         # Bytes per (image, output row) of the column buffers.
         per_row = (self.k + (self.depth if self.fold_all else 0)) * wo * isz
         whole = (ho + self.halo) * per_row
-        if whole <= BAND_BYTES:
+        budget = BAND_BYTES // workers
+        if whole <= budget:
             self.rows = ho
-            nb = max(1, min(n, BAND_BYTES // whole))
-            self.nb = -(-n // -(-n // nb))
+            nblocks = -(-n // max(1, min(n, budget // whole)))
+            self.nb = -(-n // min(n, -(-nblocks // workers) * workers))
         else:
             self.nb = 1
-            rows = max(1, min(ho, BAND_BYTES // per_row - self.halo))
+            rows = max(1, min(ho, budget // per_row - self.halo))
             self.rows = -(-ho // -(-ho // rows))
         self.wo = wo
 
@@ -716,44 +725,62 @@ def _band_forward(g, x, w, bias, y, dt):
     """y = conv(x, w) + bias through band im2col blocks, written into y."""
     n = x.shape[0]
     o = w.shape[0]
-    plan = _BandPlan(g, n, x.shape[1], dt.itemsize)
+    workers = blas_threads()
+    plan = _BandPlan(g, n, x.shape[1], dt.itemsize, workers)
     wb = _band_weights(w, plan, bias)
     if plan.fold_all:
         bias = None                                   # added by the GEMM
-    taps, deep = _band_buffers(plan, dt)
-    yb = _scratch("bout", (o, _padded_ld(plan.rows * plan.nb * plan.wo, dt.itemsize)), dt)
     bshape = (1, o, 1, 1)
-    for n0, m, r0, rows in plan.blocks(g, n):
-        _band_fill(g, plan, x, n0, m, r0, rows, taps, deep)
-        d = yb[:, :rows * m * plan.wo]
-        for s, operand in _band_products(plan, taps, deep, m, rows):
-            _gemm(wb[s], operand, d, beta=1.0 if s else 0.0)
-        src = plan.to_nchw(d.reshape(plan.out_shape(o, m, rows)))
-        dst = y[n0:n0 + m, :, r0:r0 + rows]
-        if bias is None:
-            np.copyto(dst, src)
-        else:
-            np.add(src, bias.reshape(bshape), out=dst)
+
+    def run(blocks):
+        taps, deep = _band_buffers(plan, dt)
+        yb = _scratch("bout", (o, _padded_ld(plan.rows * plan.nb * plan.wo, dt.itemsize)), dt)
+        for n0, m, r0, rows in blocks:
+            _band_fill(g, plan, x, n0, m, r0, rows, taps, deep)
+            d = yb[:, :rows * m * plan.wo]
+            for s, operand in _band_products(plan, taps, deep, m, rows):
+                _gemm(wb[s], operand, d, beta=1.0 if s else 0.0)
+            src = plan.to_nchw(d.reshape(plan.out_shape(o, m, rows)))
+            dst = y[n0:n0 + m, :, r0:r0 + rows]
+            if bias is None:
+                np.copyto(dst, src)
+            else:
+                np.add(src, bias.reshape(bshape), out=dst)
+
+    run_parts(run, list(plan.blocks(g, n)), workers)
 
 
 def _band_backward(g, dy, x, w, need_db, dt):
-    """(dw, db or None) through the same blocks as _band_forward."""
+    """(dw, db or None) through the same blocks as _band_forward; each thread sums its own
+    blocks' dw, and the partial sums are added in block order."""
     n = x.shape[0]
     o = w.shape[0]
-    plan = _BandPlan(g, n, x.shape[1], dt.itemsize)
-    taps, deep = _band_buffers(plan, dt)
-    dyb = _scratch("bout", (o, _padded_ld(plan.rows * plan.nb * plan.wo, dt.itemsize)), dt)
-    dwb = np.zeros((plan.nshifts, o, plan.depth + plan.fold_all), dt)
-    db = np.zeros(o, dt) if need_db and not plan.fold_all else None
-    for n0, m, r0, rows in plan.blocks(g, n):
-        _band_fill(g, plan, x, n0, m, r0, rows, taps, deep)
-        d = dyb[:, :rows * m * plan.wo]
-        np.copyto(plan.to_nchw(d.reshape(plan.out_shape(o, m, rows))),
-                  dy[n0:n0 + m, :, r0:r0 + rows])
-        for s, operand in _band_products(plan, taps, deep, m, rows):
-            _gemm(d, operand, dwb[s], trans_b=True, beta=1.0)
-        if db is not None:
-            db += d.sum(axis=1)
+    workers = blas_threads()
+    plan = _BandPlan(g, n, x.shape[1], dt.itemsize, workers)
+    sum_db = need_db and not plan.fold_all
+
+    def run(blocks):
+        taps, deep = _band_buffers(plan, dt)
+        dyb = _scratch("bout", (o, _padded_ld(plan.rows * plan.nb * plan.wo, dt.itemsize)), dt)
+        dwb = np.zeros((plan.nshifts, o, plan.depth + plan.fold_all), dt)
+        db = np.zeros(o, dt) if sum_db else None
+        for n0, m, r0, rows in blocks:
+            _band_fill(g, plan, x, n0, m, r0, rows, taps, deep)
+            d = dyb[:, :rows * m * plan.wo]
+            np.copyto(plan.to_nchw(d.reshape(plan.out_shape(o, m, rows))),
+                      dy[n0:n0 + m, :, r0:r0 + rows])
+            for s, operand in _band_products(plan, taps, deep, m, rows):
+                _gemm(d, operand, dwb[s], trans_b=True, beta=1.0)
+            if sum_db:
+                db += d.sum(axis=1)
+        return dwb, db
+
+    parts = run_parts(run, list(plan.blocks(g, n)), workers)
+    dwb, db = parts[0]
+    for part_dw, part_db in parts[1:]:
+        dwb += part_dw
+        if sum_db:
+            db += part_db
     if need_db and plan.fold_all:
         db = dwb[0, :, -1].copy()
     return _band_dw(dwb, plan, w.shape), db

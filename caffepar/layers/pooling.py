@@ -5,13 +5,16 @@ block of channel planes at a time, into its stride phases (phase (a, b) holds th
 cells (a + r * stride_h, b + c * stride_w)). In that layout every kernel offset is one
 contiguous 1-D slice at a fixed offset, and the per-offset loop runs on whole blocks sized to stay
 in cache. Cells a window reaches outside the image hold the fill value (-inf for MAX, 0 for
-AVE), set once when a block buffer is made.
+AVE), set once when a block buffer is made. The blocks are independent, so they are spread over
+the process's cores (`run_parts`), each thread with its own block buffers.
 """
 import math
+import threading
 
 import numpy as np
 
 from caffepar.layers.base import Layer, register
+from caffepar.layers.blas import blas_threads, run_parts
 from caffepar.proto import caffe_pb2
 
 PP = caffe_pb2.PoolingParameter
@@ -85,7 +88,7 @@ class PoolGeometry:
     def buffers(self, kind, dtype, fill):
         """Per-block scratch, made once: the phases (fill outside the image), then in the padded
         output layout a zeroed float buffer, a boolean mask, and float and index temporaries."""
-        key = (kind, np.dtype(dtype), fill)
+        key = (kind, np.dtype(dtype), fill, threading.get_ident())
         if key not in self._buffers:
             shape = (self.block, self.rows, self.cols)
             self._buffers[key] = (np.full((len(self.fills),) + shape, fill, dtype),
@@ -94,9 +97,17 @@ class PoolGeometry:
                                   np.empty(shape, _index_dtype(self.kh * self.kw)))
         return self._buffers[key]
 
-    def blocks(self, n_planes):
-        for p0 in range(0, n_planes, self.block):
-            yield p0, min(n_planes, p0 + self.block)
+    def blocks(self, n_planes, workers=1):
+        """(first, end) plane of each block: at most `block` planes, in a multiple of `workers`
+        blocks where there are planes enough."""
+        count = -(-n_planes // self.block)
+        size = -(-n_planes // max(1, min(n_planes, -(-count // workers) * workers)))
+        return [(p0, min(n_planes, p0 + size)) for p0 in range(0, n_planes, size)]
+
+    def run(self, fn, n_planes):
+        """fn(blocks) over this layer's blocks, spread over the cores."""
+        workers = blas_threads()
+        run_parts(fn, self.blocks(n_planes, workers), workers)
 
     def split(self, phases, xb):
         """Copy a block of image planes into its phases."""
@@ -134,33 +145,37 @@ def max_pool_forward(g, x, out):
     (N, C, OH, OW) view). Like Caffe's strict '>' scan from -FLT_MAX: NaNs never win and ties
     keep the first cell in row-major window order. Offsets grow along the scan, so the last
     strict improvement is the largest offset that improved: arg = max_k(k * improved_k)."""
-    phases, best, hit, _, step = g.buffers("max", x.dtype, -np.inf)
     x3, y3 = g.planes(x, g.h, g.w), g.planes(out, g.oh, g.ow)
     args = np.empty((len(x3), g.rows, g.cols), _index_dtype(g.kh * g.kw))
-    flat = phases.reshape(len(phases), -1)
-    for p0, p1 in g.blocks(len(x3)):
-        n = p1 - p0
-        g.split(phases, x3[p0:p1])
-        size = n * g.span - g.max_offset
-        o = y3[p0:p1].reshape(-1) if g.direct else best.reshape(-1)[:size]
-        a = args[p0:p1].reshape(-1)[:size]
-        m, t = hit.reshape(-1)[:size], step.reshape(-1)[:size]
-        if t.dtype == np.int8:
-            t = src = m.view(np.int8)
-        else:
-            src = m
-        for k, p, off, _ in g.taps:
-            v = flat[p, off:off + size]
-            if k == 0:
-                np.fmax(v, NEG_FLT_MAX, out=o)
-                a.fill(0)
-                continue
-            np.greater(v, o, out=m)
-            np.fmax(o, v, out=o)
-            np.multiply(src, t.dtype.type(k), out=t)
-            np.maximum(a, t, out=a)
-        if not g.direct:
-            y3[p0:p1] = best[:n, :g.oh, :g.ow]
+
+    def run(blocks):
+        phases, best, hit, _, step = g.buffers("max", x.dtype, -np.inf)
+        flat = phases.reshape(len(phases), -1)
+        for p0, p1 in blocks:
+            n = p1 - p0
+            g.split(phases, x3[p0:p1])
+            size = n * g.span - g.max_offset
+            o = y3[p0:p1].reshape(-1) if g.direct else best.reshape(-1)[:size]
+            a = args[p0:p1].reshape(-1)[:size]
+            m, t = hit.reshape(-1)[:size], step.reshape(-1)[:size]
+            if t.dtype == np.int8:
+                t = src = m.view(np.int8)
+            else:
+                src = m
+            for k, p, off, _ in g.taps:
+                v = flat[p, off:off + size]
+                if k == 0:
+                    np.fmax(v, NEG_FLT_MAX, out=o)
+                    a.fill(0)
+                    continue
+                np.greater(v, o, out=m)
+                np.fmax(o, v, out=o)
+                np.multiply(src, t.dtype.type(k), out=t)
+                np.maximum(a, t, out=a)
+            if not g.direct:
+                y3[p0:p1] = best[:n, :g.oh, :g.ow]
+
+    g.run(run, len(x3))
     none = out == NEG_FLT_MAX
     if none.any():
         np.copyto(g.compact(args, out.shape), -1, where=none)
@@ -179,28 +194,32 @@ def max_pool_mask(g, arg):
 
 def max_pool_backward(g, arg, dy, dx):
     """Route dy to the winners; `arg` as max_pool_forward returned it."""
-    grads, dys, hit, tmp, _ = g.buffers("max_grad", dx.dtype, 0)
     dy3, dx3 = g.planes(dy, g.oh, g.ow), g.planes(dx, g.h, g.w)
-    flat = grads.reshape(len(grads), -1)
-    for p0, p1 in g.blocks(len(dx3)):
-        n = p1 - p0
-        size = n * g.span - g.max_offset
-        if g.direct:
-            d = dy3[p0:p1].reshape(-1)
-        else:
-            dys[:n, :g.oh, :g.ow] = dy3[p0:p1]
-            d = dys.reshape(-1)[:size]
-        a = arg[p0:p1].reshape(-1)[:size]
-        m, t = hit.reshape(-1)[:size], tmp.reshape(-1)[:size]
-        for k, p, off, first in g.taps:
-            np.equal(a, k, out=m)
-            if first:
-                np.multiply(d, m, out=flat[p, :size])
-                flat[p, size:n * g.span] = 0
+
+    def run(blocks):
+        grads, dys, hit, tmp, _ = g.buffers("max_grad", dx.dtype, 0)
+        flat = grads.reshape(len(grads), -1)
+        for p0, p1 in blocks:
+            n = p1 - p0
+            size = n * g.span - g.max_offset
+            if g.direct:
+                d = dy3[p0:p1].reshape(-1)
             else:
-                np.multiply(d, m, out=t)
-                flat[p, off:off + size] += t
-        g.merge(grads, dx3[p0:p1])
+                dys[:n, :g.oh, :g.ow] = dy3[p0:p1]
+                d = dys.reshape(-1)[:size]
+            a = arg[p0:p1].reshape(-1)[:size]
+            m, t = hit.reshape(-1)[:size], tmp.reshape(-1)[:size]
+            for k, p, off, first in g.taps:
+                np.equal(a, k, out=m)
+                if first:
+                    np.multiply(d, m, out=flat[p, :size])
+                    flat[p, size:n * g.span] = 0
+                else:
+                    np.multiply(d, m, out=t)
+                    flat[p, off:off + size] += t
+            g.merge(grads, dx3[p0:p1])
+
+    g.run(run, len(dx3))
     none = g.compact(arg, dy.shape) < 0
     if none.any():
         _scatter_unassigned(none, dy, dx)
@@ -227,40 +246,48 @@ def max_pool_backward_from_mask(g, mask, dy, dx):
 
 
 def ave_pool_forward(g, x, out):
-    phases, total = g.buffers("ave", x.dtype, 0)[:2]
     x3, y3 = g.planes(x, g.h, g.w), g.planes(out, g.oh, g.ow)
-    flat = phases.reshape(len(phases), -1)
     divisor = g.ave_divisor(out.dtype)
-    for p0, p1 in g.blocks(len(x3)):
-        n = p1 - p0
-        g.split(phases, x3[p0:p1])
-        size = n * g.span - g.max_offset
-        o = total.reshape(-1)[:size]
-        for k, p, off, _ in g.taps:
-            if k == 0:
-                np.copyto(o, flat[p, off:off + size])
-            else:
-                o += flat[p, off:off + size]
-        np.divide(total[:n, :g.oh, :g.ow], divisor, out=y3[p0:p1])
+
+    def run(blocks):
+        phases, total = g.buffers("ave", x.dtype, 0)[:2]
+        flat = phases.reshape(len(phases), -1)
+        for p0, p1 in blocks:
+            n = p1 - p0
+            g.split(phases, x3[p0:p1])
+            size = n * g.span - g.max_offset
+            o = total.reshape(-1)[:size]
+            for k, p, off, _ in g.taps:
+                if k == 0:
+                    np.copyto(o, flat[p, off:off + size])
+                else:
+                    o += flat[p, off:off + size]
+            np.divide(total[:n, :g.oh, :g.ow], divisor, out=y3[p0:p1])
+
+    g.run(run, len(x3))
 
 
 def ave_pool_backward(g, dy, dx):
-    grads, dys = g.buffers("ave_grad", dx.dtype, 0)[:2]
     dy3, dx3 = g.planes(dy, g.oh, g.ow), g.planes(dx, g.h, g.w)
-    flat = grads.reshape(len(grads), -1)
     divisor = g.ave_divisor(dx.dtype)
-    for p0, p1 in g.blocks(len(dx3)):
-        n = p1 - p0
-        np.divide(dy3[p0:p1], divisor, out=dys[:n, :g.oh, :g.ow])
-        size = n * g.span - g.max_offset
-        d = dys.reshape(-1)[:size]
-        for k, p, off, first in g.taps:
-            if first:
-                np.copyto(flat[p, :size], d)
-                flat[p, size:n * g.span] = 0
-            else:
-                flat[p, off:off + size] += d
-        g.merge(grads, dx3[p0:p1])
+
+    def run(blocks):
+        grads, dys = g.buffers("ave_grad", dx.dtype, 0)[:2]
+        flat = grads.reshape(len(grads), -1)
+        for p0, p1 in blocks:
+            n = p1 - p0
+            np.divide(dy3[p0:p1], divisor, out=dys[:n, :g.oh, :g.ow])
+            size = n * g.span - g.max_offset
+            d = dys.reshape(-1)[:size]
+            for k, p, off, first in g.taps:
+                if first:
+                    np.copyto(flat[p, :size], d)
+                    flat[p, size:n * g.span] = 0
+                else:
+                    flat[p, off:off + size] += d
+            g.merge(grads, dx3[p0:p1])
+
+    g.run(run, len(dx3))
 
 
 @register("Pooling")
