@@ -1,4 +1,9 @@
-"""The layers' GEMM entry point against NumPy, for every BLAS it can bind."""
+"""The layers' GEMM entry point against NumPy, for every BLAS it can bind, and how layers
+share the cores."""
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 
@@ -48,7 +53,6 @@ def test_shape_mismatch_is_an_error():
 def test_idle_blas_workers_sleep():
     """After a GEMM, OpenBLAS's worker threads must not spin on the cores the layers' NumPy
     work and the data threads need (caffepar sets OPENBLAS_THREAD_TIMEOUT before NumPy loads)."""
-    import os
     import subprocess
     import sys
     code = (
@@ -111,3 +115,27 @@ def test_run_parts_keeps_order_and_raises_worker_errors():
     with pytest.raises(MemoryError, match="part with 9"):
         blas.run_parts(fail_last, list(range(10)), 2)
     assert blas.blas_threads() == threads
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_run_parts_after_fork():
+    """A child forked after parts ran (e.g. by multiprocessing) starts its own threads."""
+    assert blas.run_parts(list, [1, 2, 3, 4], 2) == [[1, 2], [3, 4]]
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            code = 0 if blas.run_parts(list, [1, 2, 3, 4], 2) == [[1, 2], [3, 4]] else 4
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("run_parts hung in a forked child")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0

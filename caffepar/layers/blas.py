@@ -193,6 +193,9 @@ def gemm(a, b, out, beta=0.0):
 
 
 _WORKERS = []
+if hasattr(os, "register_at_fork"):
+    # A forked child has none of the parent's threads: its executors would never run a part.
+    os.register_at_fork(after_in_child=_WORKERS.clear)
 
 
 def run_parts(fn, items, workers=None):
