@@ -246,15 +246,21 @@ def test_small_workspace_and_blocks(cs, direct, monkeypatch):
 
 
 @pytest.mark.parametrize("cs", [CASES[i] for i in (3, 21, 25, 29, 30)], ids=ids)
-def test_im2col_row_blocks_over_image_batches(cs, monkeypatch):
-    """Several images per block and a few rows at a time, in either layout."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_im2col_row_blocks_over_image_batches(cs, workers, monkeypatch):
+    """Several images per block and a few rows at a time, in either layout, the blocks on one
+    thread or split over two."""
+    cs = (2 * workers,) + cs[1:]
     n, c, sp, o, k, stride, pad, dil, group = cs
     g = cm._Geom(sp, k, stride, pad, dil)
     rest = int(np.prod(g.out[1:]))
-    monkeypatch.setattr(cm, "COLS_BYTES", 2 * rest * (g.ntaps * c // group + 1) * group * 8)
+    monkeypatch.setattr(cm, "blas_threads", lambda: workers)
+    monkeypatch.setattr(cm, "COLS_BYTES",
+                        2 * rest * (g.ntaps * c // group + 1) * group * 8 * workers)
     monkeypatch.setattr(cm, "COLS_SHORT_ROW", 1 << 30)
-    plan = cm._ColsPlan(g, n, c, o, group, 8)
+    plan = cm._ColsPlan(g, n, c, o, group, 8, workers)
     assert plan.nb == 2 and plan.rows < g.out[0] and plan.batch_last
+    assert len(plan.chunks(n)) == workers
     x, w, b, dy = make(cs)
     args = cs[5:]
     close(cm.conv_forward(x, w, b, *args), ref_conv(x, w, b, *args), 1e-10)

@@ -21,20 +21,22 @@ per layer shape (``_forward_engine``):
   layers): columns span a whole batch of images, so GEMMs are long however
   small the image; only the kw column taps are gathered from x, and the kh
   row taps are row-shifted views of (or block copies from) that buffer (see
-  ``_BandPlan``). dx is the same path run on dy with flipped kernels. The
-  blocks run side by side, one Python thread per core with single-threaded
-  GEMMs (``run_parts``): these GEMMs have a few dozen rows, which BLAS's own
-  threads split poorly, and the copies between them then run in parallel.
+  ``_BandPlan``). dx is the same path run on dy with flipped kernels.
 * Winograd F(2x2, 3x3) for 3x3 stride-1 layers with many channels on both
   sides (VGG's conv2_2 onwards): 2.25x fewer multiplies, all transforms done
   as GEMMs; results differ from a direct convolution by float32 rounding.
 
-``conv_engine`` tells which engine a layer shape gets. Temporary workspace
-is bounded: images are processed in chunks (``WORKSPACE_BYTES``), column
-buffers in blocks (``COLS_BYTES``, ``BAND_BYTES``), and the work arrays are
-reused across calls (``release_workspace`` frees them). Results can be
-written into the caller's arrays (``out=``, ``dx_out=``), which saves the
-layer a copy. GEMMs go through ``caffepar.layers.blas`` on strided views.
+The im2col and band engines run their blocks side by side, one Python
+thread per core with single-threaded GEMMs (``run_parts``): their GEMMs have
+a few dozen rows, which BLAS's own threads split poorly, and the copies
+between them then run in parallel too.
+
+``conv_engine`` tells which engine a layer shape gets. Temporary workspace is
+bounded: images are processed in chunks (``WORKSPACE_BYTES``), column buffers
+in blocks (``COLS_BYTES``, ``BAND_BYTES``), and the work arrays are reused
+across calls (``release_workspace`` frees them). Results can be written into
+the caller's arrays (``out=``, ``dx_out=``), which saves the layer a copy.
+GEMMs go through ``caffepar.layers.blas`` on strided views.
 """
 
 import itertools
@@ -225,6 +227,7 @@ def _workspace_chunk(per_image_bytes, n):
     return int(max(1, min(n, WORKSPACE_BYTES // max(per_image_bytes, 1))))
 
 
+
 def _gather(g, xc, dtype, zero_fill=True):
     """Polyphase channel-major copy of a chunk of images: (C, P*nc*Qsize)."""
     nc, c = xc.shape[:2]
@@ -346,21 +349,24 @@ class _ColsPlan:
     (C, *S_padded, nb) so that gathers copy runs of rows times nb instead of
     a few pixels. Columns are blocked along the first spatial axis to bound
     the column buffer. With nb == 1 (large images) the GEMMs read and write
-    y and dy in place, without any transposition.
+    y and dy in place, without any transposition. The buffers' bounds are
+    shared by the threads that run chunks side by side (``workers``), and
+    there are chunks enough for each of them.
     """
 
-    def __init__(self, g, n, c, o, group, isz):
+    def __init__(self, g, n, c, o, group, isz, workers=1):
         self.k = g.ntaps * (c // group)
         self.rest = math.prod(g.out[1:])
         self.hw = g.out[0] * self.rest
         self.sp = tuple(i + 2 * p for i, p in zip(g.in_sp, g.pad))
-        max_cols = max(1, COLS_BYTES // ((self.k + 1) * group * isz))
+        max_cols = max(1, COLS_BYTES // workers // ((self.k + 1) * group * isz))
         self.batch_last = False
         if self.hw >= COLS_DIRECT_MIN:
             nb = 1
         else:
             per_image = (2 * c * math.prod(self.sp) + o * self.hw) * isz
-            nb = max(1, min(n, WORKSPACE_BYTES // per_image, max_cols // self.rest))
+            nb = max(1, min(-(-n // workers), WORKSPACE_BYTES // workers // per_image,
+                            max_cols // self.rest))
             self.batch_last = g.out[-1] < COLS_SHORT_ROW and nb > 1
             if not self.batch_last:
                 nb = max(1, min(nb, max_cols // self.hw))
@@ -373,8 +379,7 @@ class _ColsPlan:
         self.phased = not self.batch_last and any(st > 1 for st in g.stride)
 
     def chunks(self, n):
-        for n0 in range(0, n, self.nb):
-            yield n0, min(self.nb, n - n0)
+        return [(n0, min(self.nb, n - n0)) for n0 in range(0, n, self.nb)]
 
     def row_blocks(self, g):
         for r0 in range(0, g.out[0], self.rows):
@@ -461,26 +466,31 @@ def _cols_forward(g, x, w, b, y, group, dt):
     n, c = x.shape[:2]
     o = w.shape[0]
     og = o // group
-    plan = _ColsPlan(g, n, c, o, group, dt.itemsize)
+    workers = blas_threads()
+    plan = _ColsPlan(g, n, c, o, group, dt.itemsize, workers)
     wa = _cols_weights(w, group, b)
-    cols = _cols_buffer(plan, group, dt)
     yf = y.reshape(n, o, plan.hw)
-    ytmp = _scratch("ytmp", (o, plan.hw * plan.nb), dt) if plan.nb > 1 else None
-    for n0, m in plan.chunks(n):
-        xt = _pad_chunk(g, plan, x[n0:n0 + m], dt)
-        for r0, rows in plan.row_blocks(g):
-            _fill_cols(plan, g, xt, cols, group, r0, rows)
-            ncol = rows * plan.rest * m
-            c0 = r0 * plan.rest * m
-            for gi in range(group):
-                if ytmp is None:
-                    dst = yf[n0, gi * og:(gi + 1) * og, c0:c0 + ncol]
-                else:
-                    dst = ytmp[gi * og:(gi + 1) * og, c0:c0 + ncol]
-                _gemm(wa[gi], cols[gi, :, :ncol], dst)
-        if ytmp is not None:
-            yt = ytmp[:, :plan.hw * m].reshape(plan.layout_shape(o, m, (plan.hw,)))
-            np.copyto(yf[n0:n0 + m], plan.from_layout(yt))
+
+    def run(chunks):
+        cols = _cols_buffer(plan, group, dt)
+        ytmp = _scratch("ytmp", (o, plan.hw * plan.nb), dt) if plan.nb > 1 else None
+        for n0, m in chunks:
+            xt = _pad_chunk(g, plan, x[n0:n0 + m], dt)
+            for r0, rows in plan.row_blocks(g):
+                _fill_cols(plan, g, xt, cols, group, r0, rows)
+                ncol = rows * plan.rest * m
+                c0 = r0 * plan.rest * m
+                for gi in range(group):
+                    if ytmp is None:
+                        dst = yf[n0, gi * og:(gi + 1) * og, c0:c0 + ncol]
+                    else:
+                        dst = ytmp[gi * og:(gi + 1) * og, c0:c0 + ncol]
+                    _gemm(wa[gi], cols[gi, :, :ncol], dst)
+            if ytmp is not None:
+                yt = ytmp[:, :plan.hw * m].reshape(plan.layout_shape(o, m, (plan.hw,)))
+                np.copyto(yf[n0:n0 + m], plan.from_layout(yt))
+
+    run_parts(run, plan.chunks(n), workers)
 
 
 def _flipped_geom(g):
@@ -504,46 +514,57 @@ def _flipped_weights(w, group):
 
 
 def _cols_backward(g, dy, x, w, dx, group, need_dw, need_db, dt):
+    """(dw, db) of the im2col path, and dx by col2im when dx is given; each thread sums its own
+    chunks' dw, and the partial sums are added in chunk order."""
     n, o = dy.shape[:2]
     cg = w.shape[1]
     c = cg * group
     og = o // group
-    plan = _ColsPlan(g, n, c, o, group, dt.itemsize)
+    workers = blas_threads()
+    plan = _ColsPlan(g, n, c, o, group, dt.itemsize, workers)
     dyf = dy.reshape(n, o, plan.hw)
-    cols = _cols_buffer(plan, group, dt) if need_dw else None
-    dwa = np.zeros((group, og, plan.k + 1), dt) if need_dw else None
     wk = _cols_weights(w, group, None)[:, :, :-1] if dx is not None else None
-    dcols = _scratch("dcols", (plan.k, plan.ncols), dt) if dx is not None else None
-    dyt = _scratch("ytmp", (o, plan.hw * plan.nb), dt) if plan.nb > 1 else None
-    for n0, m in plan.chunks(n):
-        xt = _pad_chunk(g, plan, x[n0:n0 + m], dt) if need_dw else None
-        dxt = _scratch("dxt", plan.layout_shape(c, m, plan.sp), dt, True) \
-            if dx is not None else None
-        if dyt is None:
-            dyc = dyf[n0]
-        else:
-            dyc = dyt[:, :plan.hw * m]
-            np.copyto(dyc.reshape(plan.layout_shape(o, m, (plan.hw,))),
-                      plan.to_layout(dyf[n0:n0 + m]))
-        for r0, rows in plan.row_blocks(g):
-            ncol = rows * plan.rest * m
-            c0 = r0 * plan.rest * m
-            if need_dw:
-                _fill_cols(plan, g, xt, cols, group, r0, rows)
-            for gi in range(group):
-                dyg = dyc[gi * og:(gi + 1) * og, c0:c0 + ncol]
+
+    def run(chunks):
+        cols = _cols_buffer(plan, group, dt) if need_dw else None
+        dwa = np.zeros((group, og, plan.k + 1), dt) if need_dw else None
+        dcols = _scratch("dcols", (plan.k, plan.ncols), dt) if dx is not None else None
+        dyt = _scratch("ytmp", (o, plan.hw * plan.nb), dt) if plan.nb > 1 else None
+        for n0, m in chunks:
+            xt = _pad_chunk(g, plan, x[n0:n0 + m], dt) if need_dw else None
+            dxt = _scratch("dxt", plan.layout_shape(c, m, plan.sp), dt, True) \
+                if dx is not None else None
+            if dyt is None:
+                dyc = dyf[n0]
+            else:
+                dyc = dyt[:, :plan.hw * m]
+                np.copyto(dyc.reshape(plan.layout_shape(o, m, (plan.hw,))),
+                          plan.to_layout(dyf[n0:n0 + m]))
+            for r0, rows in plan.row_blocks(g):
+                ncol = rows * plan.rest * m
+                c0 = r0 * plan.rest * m
                 if need_dw:
-                    _gemm(dyg, cols[gi, :, :ncol], dwa[gi], trans_b=True, beta=1.0)
-                if dx is not None:
-                    _gemm(wk[gi], dyg, dcols[:, :ncol], trans_a=True)
-                    for t, kidx in enumerate(plan.taps):
-                        dst = dxt[(slice(gi * cg, (gi + 1) * cg),)
-                                  + plan.tap_index(g, kidx, r0, rows)[1:]]
-                        dst += dcols[t * cg:(t + 1) * cg, :ncol].reshape(dst.shape)
-        if dx is not None:
-            np.copyto(dx[n0:n0 + m], plan.from_layout(dxt[plan.interior(g)]))
+                    _fill_cols(plan, g, xt, cols, group, r0, rows)
+                for gi in range(group):
+                    dyg = dyc[gi * og:(gi + 1) * og, c0:c0 + ncol]
+                    if need_dw:
+                        _gemm(dyg, cols[gi, :, :ncol], dwa[gi], trans_b=True, beta=1.0)
+                    if dx is not None:
+                        _gemm(wk[gi], dyg, dcols[:, :ncol], trans_a=True)
+                        for t, kidx in enumerate(plan.taps):
+                            dst = dxt[(slice(gi * cg, (gi + 1) * cg),)
+                                      + plan.tap_index(g, kidx, r0, rows)[1:]]
+                            dst += dcols[t * cg:(t + 1) * cg, :ncol].reshape(dst.shape)
+            if dx is not None:
+                np.copyto(dx[n0:n0 + m], plan.from_layout(dxt[plan.interior(g)]))
+        return dwa
+
+    parts = run_parts(run, plan.chunks(n), workers)
     dw = db = None
     if need_dw:
+        dwa = parts[0]
+        for part in parts[1:]:
+            dwa += part
         dw = np.ascontiguousarray(
             dwa[:, :, :-1].reshape(group, og, g.ntaps, cg).transpose(0, 1, 3, 2)
         ).reshape(w.shape)
