@@ -103,11 +103,13 @@ def ref_lrn_across_backward(x, dy, n, alpha, beta, k):
 @pytest.mark.parametrize("shape,n,beta", [((5, 7, 3, 4), 5, 0.75), ((3, 2, 4, 3), 5, 0.75),
                                           ((4, 6, 2, 5), 3, 0.5), ((3, 6, 3, 3), 5, 1.0),
                                           ((3, 4, 3, 3), 1, 0.625)])
-def test_lrn_across_blocks_match_reference(shape, n, beta, block_bytes, monkeypatch):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_lrn_across_blocks_match_reference(shape, n, beta, block_bytes, workers, monkeypatch):
     """The image-blocked forward/backward (and its beta shortcuts) against the formulas,
-    including fewer channels than the window."""
-    from caffepar.layers import normalization
+    including fewer channels than the window, the blocks on one thread or two."""
+    from caffepar.layers import blas, normalization
     monkeypatch.setattr(normalization, "LRN_BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(blas, "blas_threads", lambda: workers)
     alpha, k = 1.5, 2.0
     x = RNG.standard_normal(shape)
     dy = RNG.standard_normal(shape)

@@ -1,7 +1,10 @@
 """Normalisation layers: LRN, BatchNorm and MVN, as BVLC Caffe computes them."""
+import threading
+
 import numpy as np
 
 from caffepar.layers.base import Layer, register
+from caffepar.layers.blas import run_parts
 from caffepar.proto import caffe_pb2
 
 LRNP = caffe_pb2.LRNParameter
@@ -93,49 +96,60 @@ class LRNLayer(Layer):
             np.multiply(x, self.factor, out=y)
 
     def _scratch(self, x, step):
-        """Two block-sized buffers, kept while the shape holds."""
+        """Two block-sized buffers per thread, kept while the shape holds."""
         shape = (min(step, len(x)),) + x.shape[1:]
-        bufs = getattr(self, "_blocks", None)
+        per_thread = self.__dict__.setdefault("_blocks", {})
+        bufs = per_thread.get(threading.get_ident())
         if bufs is None or bufs[0].shape != shape or bufs[0].dtype != x.dtype:
-            bufs = self._blocks = (np.empty(shape, x.dtype), np.empty(shape, x.dtype))
+            bufs = per_thread[threading.get_ident()] = (np.empty(shape, x.dtype),
+                                                        np.empty(shape, x.dtype))
         return bufs
 
     def _across_forward(self, x, y):
         """scale = k + alpha/n * window sum of x^2, kept for backward with scale^-beta; a
-        block of images at a time so the passes run in cache."""
+        block of images at a time so the passes run in cache, the blocks spread over the
+        cores."""
         if getattr(self, "scale", None) is None or self.scale.shape != x.shape \
                 or self.scale.dtype != x.dtype:
             self.scale = np.empty_like(x)
             self.power = np.empty_like(x)
         step, blocks = _image_blocks(x)
-        sq = self._scratch(x, step)[0]
         half = (self.size - 1) // 2
         c = x.shape[1]
-        for i, j in blocks:
-            xb, sc, q = x[i:j], self.scale[i:j], sq[:j - i]
-            np.multiply(xb, xb, out=q)
-            q *= self.alpha / self.size
-            np.add(q, self.k, out=sc)
-            for d in range(1, min(half, c - 1) + 1):
-                sc[:, d:] += q[:, :c - d]
-                sc[:, :c - d] += q[:, d:]
-            neg_power(sc, self.beta, self.power[i:j])
-            np.multiply(xb, self.power[i:j], out=y[i:j])
+
+        def run(blocks):
+            sq = self._scratch(x, step)[0]
+            for i, j in blocks:
+                xb, sc, q = x[i:j], self.scale[i:j], sq[:j - i]
+                np.multiply(xb, xb, out=q)
+                q *= self.alpha / self.size
+                np.add(q, self.k, out=sc)
+                for d in range(1, min(half, c - 1) + 1):
+                    sc[:, d:] += q[:, :c - d]
+                    sc[:, :c - d] += q[:, d:]
+                neg_power(sc, self.beta, self.power[i:j])
+                np.multiply(xb, self.power[i:j], out=y[i:j])
+
+        run_parts(run, blocks)
 
     def _across_backward(self, x, y, dy, dx):
         """dx = dy scale^-beta - 2 alpha beta / n * x * window sum of dy y / scale."""
         step, blocks = _image_blocks(x)
-        ratio, acc = self._scratch(x, step)
         factor = -2.0 * self.alpha * self.beta / self.size
-        for i, j in blocks:
-            r, a = ratio[:j - i], acc[:j - i]
-            np.multiply(dy[i:j], y[i:j], out=r)
-            r /= self.scale[i:j]
-            r *= factor
-            window_sum(r, 1, self.size, out=a)
-            a *= x[i:j]
-            np.multiply(dy[i:j], self.power[i:j], out=dx[i:j])
-            dx[i:j] += a
+
+        def run(blocks):
+            ratio, acc = self._scratch(x, step)
+            for i, j in blocks:
+                r, a = ratio[:j - i], acc[:j - i]
+                np.multiply(dy[i:j], y[i:j], out=r)
+                r /= self.scale[i:j]
+                r *= factor
+                window_sum(r, 1, self.size, out=a)
+                a *= x[i:j]
+                np.multiply(dy[i:j], self.power[i:j], out=dx[i:j])
+                dx[i:j] += a
+
+        run_parts(run, blocks)
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
