@@ -4,6 +4,7 @@ restores, with the same order of operations and the same log lines."""
 import logging
 import math
 import os
+import threading
 import time
 
 import numpy as np
@@ -12,6 +13,7 @@ from google.protobuf import text_format
 from caffepar import common
 from caffepar.errors import SolverError
 from caffepar.graph.net import TEST, TRAIN
+from caffepar.layers.blas import run_parts
 from caffepar.io.weights import save_caffemodel, save_caffemodel_hdf5
 from caffepar.proto import caffe_pb2
 from caffepar.proto.text import read_net_text, read_solver_text
@@ -273,9 +275,18 @@ class Solver:
         for flat in self.history_data:
             for blob, offset in zip(self.net.learnable_params, self.net.param_offsets):
                 self.history.append(flat[offset:offset + blob.count].reshape(blob.shape))
-        biggest = max((b.count for b in self.net.learnable_params), default=0)
-        size = min(CHUNK, biggest)
-        self._scratch = [np.empty(size, dtype) for _ in range(max(1, self.rule.num_scratch))]
+        self._scratch = {}
+
+    def _chunk_scratch(self):
+        """The update's work arrays, one set per thread running chunks."""
+        scratch = self._scratch.get(threading.get_ident())
+        if scratch is None:
+            biggest = max((b.count for b in self.net.learnable_params), default=0)
+            size = min(CHUNK, biggest)
+            scratch = self._scratch[threading.get_ident()] = [
+                np.empty(size, self.net.param_data.dtype)
+                for _ in range(max(1, self.rule.num_scratch))]
+        return scratch
 
     # ------------------------------------------------------------------ hooks
     def add_callback(self, fn, on_gradients_ready=None):
@@ -543,22 +554,25 @@ class Solver:
         f = net.param_data.dtype.type
         n_sets = self.rule.num_history
         n_params = len(params)
-        for i, blob in enumerate(params):
-            g = blob.diff.reshape(-1)
-            w = blob.data.reshape(-1)
-            hist = [self.history[s * n_params + i].reshape(-1) for s in range(n_sets)]
-            _rules.normalize(g, p.iter_size)
-            local_decay = f(p.weight_decay) * f(net.decay_mults[i][0])
-            local_rate = f(rate) * f(net.lr_mults[i][0])
-            for start in range(0, g.size, CHUNK):
-                stop = min(start + CHUNK, g.size)
-                scratch = [s[:stop - start] for s in self._scratch]
-                gc = g[start:stop]
-                _rules.regularize(gc, w[start:stop], local_decay, p.regularization_type,
-                                  scratch[0])
-                self.rule.update(gc, [h[start:stop] for h in hist], local_rate, self.iter,
-                                 scratch)
-                w[start:stop] -= gc     # Net::Update, while the chunk is in cache
+        chunks = [(i, start, min(start + CHUNK, blob.count))
+                  for i, blob in enumerate(params) for start in range(0, blob.count, CHUNK)]
+
+        def run(chunks):
+            scratch_full = self._chunk_scratch()
+            for i, start, stop in chunks:
+                blob = params[i]
+                scratch = [s[:stop - start] for s in scratch_full]
+                g = blob.diff.reshape(-1)[start:stop]
+                w = blob.data.reshape(-1)[start:stop]
+                hist = [self.history[s * n_params + i].reshape(-1)[start:stop]
+                        for s in range(n_sets)]
+                _rules.normalize(g, p.iter_size)
+                _rules.regularize(g, w, f(p.weight_decay) * f(net.decay_mults[i][0]),
+                                  p.regularization_type, scratch[0])
+                self.rule.update(g, hist, f(rate) * f(net.lr_mults[i][0]), self.iter, scratch)
+                w -= g      # Net::Update, while the chunk is in cache
+
+        run_parts(run, chunks)
         self.iter += 1
 
     # ------------------------------------------------------------------ snapshots
