@@ -117,6 +117,14 @@ def test_run_parts_keeps_order_and_raises_worker_errors():
     assert blas.blas_threads() == threads
 
 
+def test_run_parts_inside_a_part_runs_in_place():
+    """A part that splits work again must not wait on the busy workers."""
+    def outer(items):
+        return [blas.run_parts(list, [i, i + 10], 2) for i in items]
+
+    assert blas.run_parts(outer, [1, 2], 2) == [[[[1, 11]]], [[[2, 12]]]]
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_run_parts_after_fork():
     """A child forked after parts ran (e.g. by multiprocessing) starts its own threads."""

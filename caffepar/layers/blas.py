@@ -207,7 +207,7 @@ def run_parts(fn, items, workers=None):
     too. fn must keep its scratch arrays per thread. A part that raises re-raises here, once
     every part has ended."""
     workers = min(blas_threads() if workers is None else workers, len(items))
-    if workers <= 1:
+    if workers <= 1 or getattr(_PART, "running", False):
         return [fn(items)]
     bounds = [len(items) * i // workers for i in range(workers + 1)]
     parts = [items[a:b] for a, b in zip(bounds, bounds[1:])]
@@ -216,9 +216,21 @@ def run_parts(fn, items, workers=None):
             _WORKERS.append(ThreadPoolExecutor(1, thread_name_prefix="caffepar-part"))
         pools = _WORKERS[:workers - 1]
     with single_threaded_blas():
-        futures = [pool.submit(fn, part) for pool, part in zip(pools, parts[1:])]
+        futures = [pool.submit(_as_part, fn, part) for pool, part in zip(pools, parts[1:])]
         try:
-            first = fn(parts[0])
+            first = _as_part(fn, parts[0])
         finally:
             wait(futures)
     return [first] + [f.result() for f in futures]
+
+
+_PART = threading.local()
+
+
+def _as_part(fn, part):
+    """fn(part), marked so that a run_parts inside it runs in place (its workers are busy)."""
+    _PART.running = True
+    try:
+        return fn(part)
+    finally:
+        _PART.running = False
