@@ -93,41 +93,6 @@ def _load_blas():
 
 
 _BLAS, _THREADS = _load_blas()
-_THREADS_LOCK = threading.Lock()
-_single_users = 0
-_saved_threads = 1
-
-
-def blas_threads():
-    """How many threads a GEMM runs on; 1 when the BLAS's thread count cannot be set (so
-    callers never split work they cannot hand to single-threaded GEMMs)."""
-    if _THREADS is None:
-        return 1
-    with _THREADS_LOCK:
-        return _saved_threads if _single_users else max(1, _THREADS[0]())
-
-
-@contextlib.contextmanager
-def single_threaded_blas():
-    """GEMMs run on the calling thread only, for work split over Python threads by the caller.
-    OpenBLAS's count is process-wide, so nested and concurrent users share one saved value."""
-    global _single_users, _saved_threads
-    if _THREADS is None:
-        yield
-        return
-    get, put = _THREADS
-    with _THREADS_LOCK:
-        if not _single_users:
-            _saved_threads = get()
-            put(1)
-        _single_users += 1
-    try:
-        yield
-    finally:
-        with _THREADS_LOCK:
-            _single_users -= 1
-            if not _single_users:
-                put(_saved_threads)
 _TRANS = {False: ctypes.c_char_p(b"N"), True: ctypes.c_char_p(b"T")}
 
 
@@ -190,6 +155,45 @@ def gemm(a, b, out, beta=0.0):
         b, trans_b = b.T, True
     gemm_views(a, b, out, trans_a, trans_b, beta)
     return out
+
+
+# ------------------------------------------------------------------ the cores
+
+_THREADS_LOCK = threading.Lock()
+_single_users = 0
+_saved_threads = 1
+
+
+def blas_threads():
+    """How many threads a GEMM runs on; 1 when the BLAS's thread count cannot be set (so
+    callers never split work they cannot hand to single-threaded GEMMs)."""
+    if _THREADS is None:
+        return 1
+    with _THREADS_LOCK:
+        return _saved_threads if _single_users else max(1, _THREADS[0]())
+
+
+@contextlib.contextmanager
+def single_threaded_blas():
+    """GEMMs run on the calling thread only, for work split over Python threads by the caller.
+    OpenBLAS's count is process-wide, so nested and concurrent users share one saved value."""
+    global _single_users, _saved_threads
+    if _THREADS is None:
+        yield
+        return
+    get, put = _THREADS
+    with _THREADS_LOCK:
+        if not _single_users:
+            _saved_threads = get()
+            put(1)
+        _single_users += 1
+    try:
+        yield
+    finally:
+        with _THREADS_LOCK:
+            _single_users -= 1
+            if not _single_users:
+                put(_saved_threads)
 
 
 _WORKERS = []

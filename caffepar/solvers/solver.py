@@ -13,8 +13,8 @@ from google.protobuf import text_format
 from caffepar import common
 from caffepar.errors import SolverError
 from caffepar.graph.net import TEST, TRAIN
-from caffepar.layers.blas import run_parts
 from caffepar.io.weights import save_caffemodel, save_caffemodel_hdf5
+from caffepar.layers.blas import run_parts
 from caffepar.proto import caffe_pb2
 from caffepar.proto.text import read_net_text, read_solver_text
 from caffepar.proto.upgrade import upgrade_solver
