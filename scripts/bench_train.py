@@ -4,9 +4,9 @@ when PyTorch is installed, the same architecture in PyTorch on the CPU with the 
 
     python scripts/bench_train.py [--nets cifar10_quick,alexnet,vgg16] [--repeat 3] [--rounds 3]
 
-Prints ms per iteration side by side, caffepar / PyTorch, and the fraction of this machine's
-SGEMM rate the whole caffepar iteration achieves (GEMM FLOPs of its Convolution and InnerProduct
-layers over the iteration time). PyTorch: `pip install torch==2.13.0` (a CPU build).
+Prints ms per iteration side by side, caffepar / PyTorch, the fraction of this machine's SGEMM
+rate the whole caffepar iteration achieves (GEMM FLOPs of its Convolution and InnerProduct
+layers over the iteration time), and the ms of the iteration's SGD update step. PyTorch: `pip install torch==2.13.0` (a CPU build).
 """
 import argparse
 import os
@@ -52,11 +52,12 @@ def iteration_flops(net):
 
 
 def caffepar_step(name, batch):
-    """One SGD iteration of the bundled net as a callable, and its GEMM FLOPs."""
+    """One SGD iteration of the bundled net as a callable, its update alone (the solver's
+    ApplyUpdate) as another, and its GEMM FLOPs."""
     from caffepar.solvers import get_solver
     solver = get_solver(dummy_solver_param(name, batch))
     solver.step(1)
-    return (lambda: solver.step(1)), iteration_flops(solver.net)
+    return (lambda: solver.step(1)), solver.apply_update, iteration_flops(solver.net)
 
 
 def _timed(fn):
@@ -145,17 +146,18 @@ def main():
     print(f"SGEMM {rate:.1f} GFLOP/s; {threads} thread(s); PyTorch "
           f"{'installed' if have_torch else 'not installed (pip install torch==2.13.0)'}")
     print(f"\n{'net':<14}{'batch':>6}{'caffepar ms':>13}{'PyTorch ms':>12}{'ratio':>8}"
-          f"{'% SGEMM':>9}")
+          f"{'% SGEMM':>9}{'update ms':>11}")
     for name in args.nets.split(","):
         batch = NETS[name]
-        ours_step, flops = caffepar_step(name, batch)
+        ours_step, update, flops = caffepar_step(name, batch)
         steps = [ours_step] + ([torch_step(name, batch, threads)] if have_torch else [])
         best = fastest(steps, args.repeat, args.rounds) + [np.nan]
+        update_ms = fastest([update], args.repeat, args.rounds)[0] * 1e3
         seconds = best[0]
         ours, theirs = best[0] * 1e3, best[1] * 1e3
         ratio = ours / theirs
         print(f"{name:<14}{batch:>6}{ours:>13.0f}{theirs:>12.0f}{ratio:>8.2f}"
-              f"{100 * flops / seconds / 1e9 / rate:>8.0f}%", flush=True)
+              f"{100 * flops / seconds / 1e9 / rate:>8.0f}%{update_ms:>11.1f}", flush=True)
 
 
 if __name__ == "__main__":
