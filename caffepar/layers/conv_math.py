@@ -39,6 +39,7 @@ the caller's arrays (``out=``, ``dx_out=``), which saves the layer a copy.
 GEMMs go through ``caffepar.layers.blas`` on strided views.
 """
 
+import functools
 import itertools
 import math
 import threading
@@ -189,6 +190,16 @@ class _Geom:
     def span(self, nc):
         """Number of grid columns computed for a chunk of nc images."""
         return (nc - 1) * self.qsize + self.last + 1
+
+
+def _geom(in_sp, kernel, stride, pad, dilation):
+    """The (read-only) _Geom of a shape, built once: a net runs the same shapes every pass."""
+    hashable = [tuple(v) if isinstance(v, (list, tuple, np.ndarray)) else v
+                for v in (in_sp, kernel, stride, pad, dilation)]
+    return _cached_geom(*hashable)
+
+
+_cached_geom = functools.lru_cache(maxsize=512)(_Geom)
 
 
 _POOL = threading.local()
@@ -501,7 +512,7 @@ def _flipped_geom(g):
     pads = tuple(d * (k - 1) - p for k, d, p in zip(g.kernel, g.dilation, g.pad))
     if min(pads) < 0:
         return None
-    return _Geom(g.out, g.kernel, (1,) * g.nd, pads, g.dilation)
+    return _geom(g.out, g.kernel, (1,) * g.nd, pads, g.dilation)
 
 
 def _flipped_weights(w, group):
@@ -1064,7 +1075,7 @@ def conv_forward(x, w, b, stride, pad, dilation, group, out=None):
     o, cg = w.shape[:2]
     if c != cg * group:
         raise ValueError(f"conv_forward: input has {c} channels, weights expect {cg * group}")
-    g = _Geom(x.shape[2:], w.shape[2:], stride, pad, dilation)
+    g = _geom(x.shape[2:], w.shape[2:], stride, pad, dilation)
     x = x.astype(dt, copy=False)
     w = w.astype(dt, copy=False)
     y, final = _target(out, (n, o) + g.out, dt, "conv_forward")
@@ -1087,7 +1098,7 @@ def _forward_engine(g, cg, og, group):
 def conv_engine(in_spatial, w_shape, stride, pad, dilation, group):
     """Which engine runs a convolution's forward: winograd, pointwise, band,
     im2col or grid (per-tap GEMMs); benchmarks print it."""
-    g = _Geom(in_spatial, w_shape[2:], stride, pad, dilation)
+    g = _geom(in_spatial, w_shape[2:], stride, pad, dilation)
     return _forward_engine(g, w_shape[1], w_shape[0] // group, group)
 
 
@@ -1158,7 +1169,7 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
     og = o // group
     if c != cg * group:
         raise ValueError(f"conv_backward: input has {c} channels, weights expect {cg * group}")
-    g = _Geom(x_shape[2:], w.shape[2:], stride, pad, dilation)
+    g = _geom(x_shape[2:], w.shape[2:], stride, pad, dilation)
     if dy.shape != (n, o) + g.out:
         raise ValueError(f"conv_backward: dy has shape {dy.shape}, expected {(n, o) + g.out}")
     if not (need_dx or need_dw or need_db):
@@ -1343,7 +1354,7 @@ def im2col(x, kernel, stride, pad, dilation):
     """Caffe's Im2col layer: (N, C, *S) -> (N, C*prod(K), *S_out), rows ordered (c, *k)."""
     x = np.asarray(x)
     nd = x.ndim - 2
-    g = _Geom(x.shape[2:], _tuple(kernel, nd, "kernel"), stride, pad, dilation)
+    g = _geom(x.shape[2:], _tuple(kernel, nd, "kernel"), stride, pad, dilation)
     n, c = x.shape[:2]
     xp = np.zeros((n, c) + tuple(i + 2 * p for i, p in zip(g.in_sp, g.pad)), x.dtype)
     xp[(slice(None), slice(None)) + tuple(slice(p, p + i) for p, i in zip(g.pad, g.in_sp))] = x
@@ -1359,7 +1370,7 @@ def col2im(cols, x_shape, kernel, stride, pad, dilation):
     """Adjoint of im2col: sums every column entry back onto its input pixel."""
     cols = np.asarray(cols)
     nd = len(x_shape) - 2
-    g = _Geom(x_shape[2:], _tuple(kernel, nd, "kernel"), stride, pad, dilation)
+    g = _geom(x_shape[2:], _tuple(kernel, nd, "kernel"), stride, pad, dilation)
     n, c = x_shape[:2]
     cv = cols.reshape((n, c) + g.kernel + g.out)
     xp = np.zeros((n, c) + tuple(i + 2 * p for i, p in zip(g.in_sp, g.pad)), cols.dtype)
