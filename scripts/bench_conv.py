@@ -3,24 +3,26 @@
 For every layer it times conv_forward plus conv_backward with dx, dw and db
 all requested (with --as-net, first layers skip dx as in the real nets),
 writing into preallocated outputs as the layers do (out=, dx_out=), and
-compares the rate with NumPy's float32 matrix product of 2048x2048 measured
-on the same machine right before.
+compares the rate with NumPy's float32 matrix product of 2048x2048 timed
+alongside it in alternating rounds.
 
 FLOPs per layer = (3 or 2) * 2 * N * O * (C/group) * prod(K) * prod(S_out).
 
-Usage: python scripts/bench_conv.py [--net vgg|cifar|all] [--repeat R] [--as-net]
+Usage: python scripts/bench_conv.py [--net vgg|cifar|all] [--rounds R] [--as-net]
 """
 
 import argparse
 import os
 import sys
-import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 
 import caffepar  # noqa: E402,F401  (sets BLAS threading up before NumPy loads it)
 import numpy as np  # noqa: E402
 
+from bench_layers import fastest, sgemm  # noqa: E402
 from caffepar.layers import conv_math as cm  # noqa: E402
 
 # name, batch, C, O, spatial, kernel, pad
@@ -46,22 +48,8 @@ CIFAR10_QUICK = [
 ]
 
 
-def best_time(fn, repeat):
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def sgemm_rate(repeat=5):
-    a = np.random.default_rng(0).standard_normal((2048, 2048)).astype(np.float32)
-    return 2 * 2048 ** 3 / best_time(lambda: np.dot(a, a), repeat) / 1e9
-
-
-def bench_layer(n, c, o, size, k, pad, repeat, need_dx=True):
+def bench_layer(n, c, o, size, k, pad, rounds, need_dx=True):
+    """(seconds, GFLOP/s, SGEMM GFLOP/s timed alongside in alternating rounds)."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, c, size, size), dtype=np.float32)
     w = rng.standard_normal((o, c, k, k), dtype=np.float32) * 0.05
@@ -75,43 +63,43 @@ def bench_layer(n, c, o, size, k, pad, repeat, need_dx=True):
         cm.conv_forward(x, w, b, *conv, out=y)
         cm.conv_backward(dy, x, w, *conv, need_dx=need_dx, dx_out=dx)
 
-    t = best_time(step, repeat)
+    step()
+    reference, reference_flops = sgemm()
+    t_ref, t = fastest([reference, step], 1, rounds, 1.0 / rounds)
     flops = (2 + need_dx) * 2 * n * o * c * k * k * dy.shape[2] * dy.shape[3]
-    return t, flops / t / 1e9
+    return t, flops / t / 1e9, reference_flops / t_ref / 1e9
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--net", choices=("vgg", "cifar", "all"), default="all")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="alternating rounds of SGEMM and layer runs per layer")
     ap.add_argument("--as-net", action="store_true",
                     help="skip dx on each net's first layer, as training does")
     args = ap.parse_args()
     layers = (VGG16 if args.net in ("vgg", "all") else []) + \
              (CIFAR10_QUICK if args.net in ("cifar", "all") else [])
-    ref = sgemm_rate()
-    print(f"NumPy SGEMM 2048x2048 float32: {ref:.1f} GFLOP/s")
+    print("% SGEMM: against NumPy's float32 2048x2048 GEMM, timed alongside each layer")
     print("forward + backward (" + ("no dx on first layers, as in the nets)" if args.as_net
                                      else "dx, dw, db all computed, also on first layers)"))
     print(f"{'layer':<12} {'batch':>5} {'C->O':>9} {'size':>5} {'k':>3} "
-          f"{'time ms':>9} {'GFLOP/s':>8} {'% SGEMM':>8}")
+          f"{'time ms':>9} {'GFLOP/s':>8} {'SGEMM':>6} {'% SGEMM':>8}")
     pcts = []
     totals = {}
     for name, n, c, o, size, k, pad in layers:
         first = name in ("conv1_1", "cifar conv1")
-        t, rate = bench_layer(n, c, o, size, k, pad, args.repeat,
-                              need_dx=not (args.as_net and first))
+        t, rate, ref = bench_layer(n, c, o, size, k, pad, args.rounds,
+                                   need_dx=not (args.as_net and first))
         pct = 100 * rate / ref
         pcts.append(pct)
         net = "cifar10_quick" if name.startswith("cifar") else "VGG-16"
         totals[net] = totals.get(net, 0.0) + t
         print(f"{name:<12} {n:>5} {f'{c}->{o}':>9} {size:>5} {k:>3} "
-              f"{1e3 * t:>9.1f} {rate:>8.1f} {pct:>7.1f}%", flush=True)
+              f"{1e3 * t:>9.1f} {rate:>8.1f} {ref:>6.0f} {pct:>7.1f}%", flush=True)
     for net, t in totals.items():
         print(f"{net} convolutions together: {1e3 * t:.1f} ms")
-    ref2 = sgemm_rate()
-    print(f"average {sum(pcts) / len(pcts):.1f}% of SGEMM, minimum {min(pcts):.1f}% "
-          f"(SGEMM re-measured after the run: {ref2:.1f} GFLOP/s)")
+    print(f"average {sum(pcts) / len(pcts):.1f}% of SGEMM, minimum {min(pcts):.1f}%")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,12 +57,6 @@ def caffepar_step(name, batch):
     solver = get_solver(dummy_solver_param(name, batch))
     solver.step(1)
     return (lambda: solver.step(1)), solver.apply_update, iteration_flops(solver.net)
-
-
-def _timed(fn):
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def torch_model(name):
@@ -119,23 +112,13 @@ def torch_step(name, batch, threads):
     return step
 
 
-def fastest(steps, repeat, rounds):
-    """Fastest time of each step, measured in alternating rounds of `repeat` runs each, so that
-    a noisy spell on a shared machine falls on both sides of the comparison alike."""
-    best = [np.inf] * len(steps)
-    for _ in range(rounds):
-        for i, step in enumerate(steps):
-            best[i] = min(best[i], min(_timed(step) for _ in range(repeat)))
-    return best
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nets", default=",".join(NETS))
     ap.add_argument("--repeat", type=int, default=3, help="runs per round")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per net")
     args = ap.parse_args()
-    from bench_layers import sgemm_rate
+    from bench_layers import fastest, sgemm_rate
     threads = int(os.environ.get("OPENBLAS_NUM_THREADS", os.cpu_count() or 1))
     rate = sgemm_rate()
     try:

@@ -90,50 +90,65 @@ def test_no_thread_control_means_no_split(monkeypatch):
     assert blas.blas_threads() == 1
     with blas.single_threaded_blas():
         pass
-    assert blas.run_parts(list, [1, 2, 3]) == [[1, 2, 3]]
+    assert blas.run_parts(sum, [[1, 2], [3]]) == [3, 3]
+
+
+def test_split_parts():
+    assert blas.split_parts(range(7), 3) == [[0, 1], [2, 3], [4, 5, 6]]
+    assert blas.split_parts(range(3)) == [[0], [1], [2]]
+    assert blas.split_parts(range(2), 5) == [[0], [1]]
+    assert blas.split_parts([], 4) == []
 
 
 def test_run_parts_keeps_order_and_raises_worker_errors():
-    """Parts come back in block order; a part that fails raises in the caller once every part
-    has ended, and GEMMs get their thread count back."""
+    """Results come in part order whichever thread ran a part, every part runs once on
+    single-threaded GEMMs, and a failing part raises in the caller after the others ended,
+    with the GEMMs' thread count given back."""
     threads = blas.blas_threads()
     seen = []
 
     def part(items):
-        seen.append(blas._THREADS[0]() if blas._THREADS else 1)
-        return list(items)
+        time.sleep(0.002 * (items[0] % 3))          # parts finish out of order
+        seen.append((items[0], blas._THREADS[0]() if blas._THREADS else 1))
+        return [i * 10 for i in items]
 
-    assert blas.run_parts(part, list(range(7)), 3) == [[0, 1], [2, 3], [4, 5, 6]]
-    assert seen == [1, 1, 1] or blas._THREADS is None
-    assert blas.run_parts(part, [1], 4) == [[1]]
+    parts = blas.split_parts(range(40), 20)
+    assert blas.run_parts(part, parts, 3) == [[i * 10 for i in p] for p in parts]
+    assert sorted(i for i, _ in seen) == [p[0] for p in parts]
+    assert {t for _, t in seen} == {1} or blas._THREADS is None
+    assert blas.run_parts(part, [[1]], 4) == [[10]]
 
-    def fail_last(items):
+    ran = []
+
+    def fail_on_9(items):
+        ran.append(items)
         if 9 in items:
             raise MemoryError("part with 9")
         return items
 
     with pytest.raises(MemoryError, match="part with 9"):
-        blas.run_parts(fail_last, list(range(10)), 2)
+        blas.run_parts(fail_on_9, blas.split_parts(range(10)), 2)
+    assert [9] in ran
     assert blas.blas_threads() == threads
 
 
 def test_run_parts_inside_a_part_runs_in_place():
     """A part that splits work again must not wait on the busy workers."""
     def outer(items):
-        return [blas.run_parts(list, [i, i + 10], 2) for i in items]
+        return [blas.run_parts(list, [[i], [i + 10]], 2) for i in items]
 
-    assert blas.run_parts(outer, [1, 2], 2) == [[[[1, 11]]], [[[2, 12]]]]
+    assert blas.run_parts(outer, [[1], [2]], 2) == [[[[1], [11]]], [[[2], [12]]]]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_run_parts_after_fork():
     """A child forked after parts ran (e.g. by multiprocessing) starts its own threads."""
-    assert blas.run_parts(list, [1, 2, 3, 4], 2) == [[1, 2], [3, 4]]
+    assert blas.run_parts(sum, [[1, 2], [3, 4]], 2) == [3, 7]
     pid = os.fork()
     if pid == 0:
         code = 3
         try:
-            code = 0 if blas.run_parts(list, [1, 2, 3, 4], 2) == [[1, 2], [3, 4]] else 4
+            code = 0 if blas.run_parts(sum, [[1, 2], [3, 4]], 2) == [3, 7] else 4
         finally:
             os._exit(code)
     deadline = time.monotonic() + 30

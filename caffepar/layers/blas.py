@@ -16,6 +16,7 @@ side by side on that many Python threads (`run_parts`), each with single-threade
 import contextlib
 import ctypes
 import glob
+import itertools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -197,44 +198,61 @@ def single_threaded_blas():
 
 
 _WORKERS = []
+_PART = threading.local()       # .running: this thread is inside a part
 if hasattr(os, "register_at_fork"):
     # A forked child has none of the parent's threads: its executors would never run a part.
     os.register_at_fork(after_in_child=_WORKERS.clear)
 
 
-def run_parts(fn, items, workers=None):
-    """[fn(part) for part in items split into contiguous parts], the parts side by side on up to
-    `workers` (default: the BLAS's thread count) Python threads with single-threaded GEMMs.
+def split_parts(items, count=None):
+    """items as `count` contiguous runs (at most one per item; default one per item)."""
+    items = list(items)
+    count = len(items) if count is None else max(1, min(count, len(items)))
+    bounds = [len(items) * i // count for i in range(count + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def run_parts(fn, parts, workers=None):
+    """[fn(part) for part in parts], the parts handed out in order to up to `workers` (default:
+    the BLAS's thread count) Python threads as each becomes free, every GEMM single-threaded.
 
     Thin GEMMs (a few dozen output channels) keep two cores busier this way than split inside
     BLAS, and NumPy's copies and ufuncs between them release the GIL, so they run in parallel
-    too. fn must keep its scratch arrays per thread. A part that raises re-raises here, once
-    every part has ended."""
-    workers = min(blas_threads() if workers is None else workers, len(items))
+    too; a thread slowed by other load on the machine just takes fewer parts. fn must keep its
+    scratch arrays per thread. Results come back in part order whichever thread ran them, so
+    sums over them round the same way every run. A part that raises stops the hand-out and
+    re-raises here once the running parts have ended."""
+    workers = min(blas_threads() if workers is None else workers, len(parts))
     if workers <= 1 or getattr(_PART, "running", False):
-        return [fn(items)]
-    bounds = [len(items) * i // workers for i in range(workers + 1)]
-    parts = [items[a:b] for a, b in zip(bounds, bounds[1:])]
+        return [fn(part) for part in parts]
     with _THREADS_LOCK:
         while len(_WORKERS) < workers - 1:
             _WORKERS.append(ThreadPoolExecutor(1, thread_name_prefix="caffepar-part"))
         pools = _WORKERS[:workers - 1]
-    with single_threaded_blas():
-        futures = [pool.submit(_as_part, fn, part) for pool, part in zip(pools, parts[1:])]
+    results = [None] * len(parts)
+    order = itertools.count()
+    failed = []
+
+    def drain():
+        _PART.running = True
         try:
-            first = _as_part(fn, parts[0])
+            while not failed:
+                i = next(order)
+                if i >= len(parts):
+                    return
+                results[i] = fn(parts[i])
+        except BaseException:
+            failed.append(True)
+            raise
+        finally:
+            _PART.running = False
+
+    with single_threaded_blas():
+        futures = [pool.submit(drain) for pool in pools]
+        try:
+            drain()
         finally:
             wait(futures)
-    return [first] + [f.result() for f in futures]
-
-
-_PART = threading.local()
-
-
-def _as_part(fn, part):
-    """fn(part), marked so that a run_parts inside it runs in place (its workers are busy)."""
-    _PART.running = True
-    try:
-        return fn(part)
-    finally:
-        _PART.running = False
+    for f in futures:
+        f.result()
+    return results

@@ -46,7 +46,7 @@ import threading
 
 import numpy as np
 
-from caffepar.layers.blas import blas_threads, run_parts
+from caffepar.layers.blas import blas_threads, run_parts, split_parts
 from caffepar.layers.blas import gemm_views as _gemm
 
 __all__ = [
@@ -92,6 +92,9 @@ BAND_BYTES = 8 << 20
 WINOGRAD_MIN_CHANNELS = 128
 #: ... and whose 2x2 tiles overhang the output by at most this share.
 WINOGRAD_MAX_WASTE = 0.05
+#: Blocks run side by side sum their dw in at most this many partial sums (bounded memory,
+#: added in block order).
+SUM_PARTS = 16
 
 
 # --------------------------------------------------------------------------
@@ -501,7 +504,7 @@ def _cols_forward(g, x, w, b, y, group, dt):
                 yt = ytmp[:, :plan.hw * m].reshape(plan.layout_shape(o, m, (plan.hw,)))
                 np.copyto(yf[n0:n0 + m], plan.from_layout(yt))
 
-    run_parts(run, plan.chunks(n), workers)
+    run_parts(run, split_parts(plan.chunks(n)), workers)
 
 
 def _flipped_geom(g):
@@ -570,7 +573,7 @@ def _cols_backward(g, dy, x, w, dx, group, need_dw, need_db, dt):
                 np.copyto(dx[n0:n0 + m], plan.from_layout(dxt[plan.interior(g)]))
         return dwa
 
-    parts = run_parts(run, plan.chunks(n), workers)
+    parts = run_parts(run, split_parts(plan.chunks(n), SUM_PARTS), workers)
     dw = db = None
     if need_dw:
         dwa = parts[0]
@@ -779,7 +782,7 @@ def _band_forward(g, x, w, bias, y, dt):
             else:
                 np.add(src, bias.reshape(bshape), out=dst)
 
-    run_parts(run, list(plan.blocks(g, n)), workers)
+    run_parts(run, split_parts(plan.blocks(g, n)), workers)
 
 
 def _band_backward(g, dy, x, w, need_db, dt):
@@ -807,7 +810,7 @@ def _band_backward(g, dy, x, w, need_db, dt):
                 db += d.sum(axis=1)
         return dwb, db
 
-    parts = run_parts(run, list(plan.blocks(g, n)), workers)
+    parts = run_parts(run, split_parts(plan.blocks(g, n), SUM_PARTS), workers)
     dwb, db = parts[0]
     for part_dw, part_db in parts[1:]:
         dwb += part_dw

@@ -4,7 +4,7 @@ import threading
 import numpy as np
 
 from caffepar.layers.base import Layer, register
-from caffepar.layers.blas import run_parts
+from caffepar.layers.blas import run_parts, split_parts
 from caffepar.proto import caffe_pb2
 
 LRNP = caffe_pb2.LRNParameter
@@ -130,7 +130,7 @@ class LRNLayer(Layer):
                 neg_power(sc, self.beta, self.power[i:j])
                 np.multiply(xb, self.power[i:j], out=y[i:j])
 
-        run_parts(run, blocks)
+        run_parts(run, split_parts(blocks))
 
     def _across_backward(self, x, y, dy, dx):
         """dx = dy scale^-beta - 2 alpha beta / n * x * window sum of dy y / scale."""
@@ -149,7 +149,7 @@ class LRNLayer(Layer):
                 np.multiply(dy[i:j], self.power[i:j], out=dx[i:j])
                 dx[i:j] += a
 
-        run_parts(run, blocks)
+        run_parts(run, split_parts(blocks))
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 from caffepar.layers.base import Layer, register
-from caffepar.layers.blas import blas_threads, run_parts
+from caffepar.layers.blas import blas_threads, run_parts, split_parts
 from caffepar.proto import caffe_pb2
 
 PP = caffe_pb2.PoolingParameter
@@ -107,7 +107,7 @@ class PoolGeometry:
     def run(self, fn, n_planes):
         """fn(blocks) over this layer's blocks, spread over the cores."""
         workers = blas_threads()
-        run_parts(fn, self.blocks(n_planes, workers), workers)
+        run_parts(fn, split_parts(self.blocks(n_planes, workers)), workers)
 
     def split(self, phases, xb):
         """Copy a block of image planes into its phases."""

@@ -14,7 +14,7 @@ from caffepar import common
 from caffepar.errors import SolverError
 from caffepar.graph.net import TEST, TRAIN
 from caffepar.io.weights import save_caffemodel, save_caffemodel_hdf5
-from caffepar.layers.blas import run_parts
+from caffepar.layers.blas import run_parts, split_parts
 from caffepar.proto import caffe_pb2
 from caffepar.proto.text import read_net_text, read_solver_text
 from caffepar.proto.upgrade import upgrade_solver
@@ -572,7 +572,7 @@ class Solver:
                 self.rule.update(g, hist, f(rate) * f(net.lr_mults[i][0]), self.iter, scratch)
                 w -= g      # Net::Update, while the chunk is in cache
 
-        run_parts(run, chunks)
+        run_parts(run, split_parts(chunks))
         self.iter += 1
 
     # ------------------------------------------------------------------ snapshots
