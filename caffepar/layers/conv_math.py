@@ -92,8 +92,8 @@ BAND_BYTES = 8 << 20
 WINOGRAD_MIN_CHANNELS = 128
 #: ... and whose 2x2 tiles overhang the output by at most this share.
 WINOGRAD_MAX_WASTE = 0.05
-#: Blocks run side by side sum their dw in at most this many partial sums (bounded memory,
-#: added in block order).
+#: Blocks run side by side sum their dw in at most this many partial sums (bounded memory),
+#: added in block order.
 SUM_PARTS = 16
 
 
@@ -239,7 +239,6 @@ def release_workspace():
 
 def _workspace_chunk(per_image_bytes, n):
     return int(max(1, min(n, WORKSPACE_BYTES // max(per_image_bytes, 1))))
-
 
 
 def _gather(g, xc, dtype, zero_fill=True):
@@ -528,8 +527,8 @@ def _flipped_weights(w, group):
 
 
 def _cols_backward(g, dy, x, w, dx, group, need_dw, need_db, dt):
-    """(dw, db) of the im2col path, and dx by col2im when dx is given; each thread sums its own
-    chunks' dw, and the partial sums are added in chunk order."""
+    """(dw, db) of the im2col path, and dx by col2im when dx is given; the chunks' dw is summed
+    in up to SUM_PARTS runs of chunks, added in chunk order."""
     n, o = dy.shape[:2]
     cg = w.shape[1]
     c = cg * group
@@ -786,8 +785,8 @@ def _band_forward(g, x, w, bias, y, dt):
 
 
 def _band_backward(g, dy, x, w, need_db, dt):
-    """(dw, db or None) through the same blocks as _band_forward; each thread sums its own
-    blocks' dw, and the partial sums are added in block order."""
+    """(dw, db or None) through the same blocks as _band_forward; the blocks' dw is summed in
+    up to SUM_PARTS runs of blocks, added in block order."""
     n = x.shape[0]
     o = w.shape[0]
     workers = blas_threads()
