@@ -398,6 +398,17 @@ def test_band_folds_and_blocks(cs, fold_all, blocks, workers, monkeypatch):
         close(got, want, 1e-10)
 
 
+def test_many_threads_keep_blocks_large():
+    """On many cores the buffer bounds are split in at most MAX_SHARES shares, so blocks stay
+    as large as with MAX_SHARES threads instead of shrinking to slivers."""
+    g = cm._Geom((32, 32), (5, 5), (1, 1), (2, 2), (1, 1))
+    shares = cm.MAX_SHARES
+    assert (cm._BandPlan(g, 100, 3, 4, 64).nb, cm._BandPlan(g, 100, 3, 4, 64).rows) == \
+        (cm._BandPlan(g, 100, 3, 4, shares).nb, 32)
+    g = cm._Geom((56, 56), (3, 3), (1, 1), (1, 1), (1, 1))
+    assert cm._ColsPlan(g, 64, 3, 16, 1, 4, 64).nb == cm._ColsPlan(g, 64, 3, 16, 1, 4, shares).nb
+
+
 @pytest.mark.parametrize("cs", [CASES[i] for i in (1, 4, 15, 19, 29)], ids=ids)
 @pytest.mark.parametrize("layout", ["contiguous", "strided", "float64-into-float32"])
 def test_out_arguments(cs, layout):

@@ -95,6 +95,9 @@ WINOGRAD_MAX_WASTE = 0.05
 #: Blocks run side by side sum their dw in at most this many partial sums (bounded memory),
 #: added in block order.
 SUM_PARTS = 16
+#: Threads running blocks side by side share the buffer bounds above, but never in more than
+#: this many shares: on many cores, smaller blocks would make GEMMs too small to run well.
+MAX_SHARES = 4
 
 
 # --------------------------------------------------------------------------
@@ -363,8 +366,8 @@ class _ColsPlan:
     a few pixels. Columns are blocked along the first spatial axis to bound
     the column buffer. With nb == 1 (large images) the GEMMs read and write
     y and dy in place, without any transposition. The buffers' bounds are
-    shared by the threads that run chunks side by side (``workers``), and
-    there are chunks enough for each of them.
+    shared by the threads that run chunks side by side (``workers``, at most
+    MAX_SHARES shares), and there are chunks enough for each share.
     """
 
     def __init__(self, g, n, c, o, group, isz, workers=1):
@@ -372,13 +375,14 @@ class _ColsPlan:
         self.rest = math.prod(g.out[1:])
         self.hw = g.out[0] * self.rest
         self.sp = tuple(i + 2 * p for i, p in zip(g.in_sp, g.pad))
-        max_cols = max(1, COLS_BYTES // workers // ((self.k + 1) * group * isz))
+        shares = min(workers, MAX_SHARES)
+        max_cols = max(1, COLS_BYTES // shares // ((self.k + 1) * group * isz))
         self.batch_last = False
         if self.hw >= COLS_DIRECT_MIN:
             nb = 1
         else:
             per_image = (2 * c * math.prod(self.sp) + o * self.hw) * isz
-            nb = max(1, min(-(-n // workers), WORKSPACE_BYTES // workers // per_image,
+            nb = max(1, min(-(-n // shares), WORKSPACE_BYTES // shares // per_image,
                             max_cols // self.rest))
             self.batch_last = g.out[-1] < COLS_SHORT_ROW and nb > 1
             if not self.batch_last:
@@ -619,7 +623,8 @@ class _BandPlan:
 
     Blocks hold nb images, or for large images a band of rows plus the
     kernel's halo, within BAND_BYTES shared by the threads that run blocks
-    side by side (``workers``); the block count is a multiple of theirs.
+    side by side (``workers``, at most MAX_SHARES shares); the block count is
+    a multiple of the shares.
     """
 
     def __init__(self, g, n, c, isz, workers=1):
@@ -634,11 +639,12 @@ class _BandPlan:
         # Bytes per (image, output row) of the column buffers.
         per_row = (self.k + (self.depth if self.fold_all else 0)) * wo * isz
         whole = (ho + self.halo) * per_row
-        budget = BAND_BYTES // workers
+        shares = min(workers, MAX_SHARES)
+        budget = BAND_BYTES // shares
         if whole <= budget:
             self.rows = ho
             nblocks = -(-n // max(1, min(n, budget // whole)))
-            self.nb = -(-n // min(n, -(-nblocks // workers) * workers))
+            self.nb = -(-n // min(n, -(-nblocks // shares) * shares))
         else:
             self.nb = 1
             rows = max(1, min(ho, budget // per_row - self.halo))
