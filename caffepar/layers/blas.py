@@ -11,12 +11,14 @@ pool), else SciPy's exported one (`scipy.linalg.cython_blas`).
 
 The cores a process may use are its BLAS threads (`blas_threads`, set per MPI rank by
 `caffepar._threads`). Layers whose work comes in independent blocks can instead run the blocks
-side by side on that many Python threads (`run_parts`), each with single-threaded GEMMs.
+side by side on that many Python threads (`run_parts`), each with single-threaded GEMMs and
+its own work arrays (`scratch`).
 """
 import contextlib
 import ctypes
 import glob
 import itertools
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -256,3 +258,36 @@ def run_parts(fn, parts, workers=None):
     for f in futures:
         f.result()
     return results
+
+
+_POOL = threading.local()
+_ALL_POOLS = []
+
+
+def scratch(key, shape, dtype, zero=False):
+    """A reusable work array of the calling thread, one per role `key` (never returned to
+    callers; its contents last until the thread's next use of the key).
+
+    Fresh large allocations cost page faults and kernel zeroing on every call; keeping one
+    buffer per role bounds the workspace and avoids that.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    bufs = getattr(_POOL, "bufs", None)
+    if bufs is None:
+        bufs = _POOL.bufs = {}
+        _ALL_POOLS.append(bufs)
+    raw = bufs.get(key)
+    if raw is None or raw.nbytes < nbytes:
+        bufs.pop(key, None)
+        raw = bufs[key] = np.empty(max(nbytes, 64), np.uint8)
+    a = raw[:nbytes].view(dtype).reshape(shape)
+    if zero:
+        a.fill(0)
+    return a
+
+
+def release_workspace():
+    """Free the cached work arrays of every thread (call it between passes)."""
+    for bufs in _ALL_POOLS:
+        bufs.clear()

@@ -34,7 +34,7 @@ between them then run in parallel too.
 ``conv_engine`` tells which engine a layer shape gets. Temporary workspace is
 bounded: images are processed in chunks (``WORKSPACE_BYTES``), column buffers
 in blocks (``COLS_BYTES``, ``BAND_BYTES``), and the work arrays are reused
-across calls (``release_workspace`` frees them). Results can be written into
+across calls (``blas.release_workspace`` frees them). Results can be written into
 the caller's arrays (``out=``, ``dx_out=``), which saves the layer a copy.
 GEMMs go through ``caffepar.layers.blas`` on strided views.
 """
@@ -42,11 +42,11 @@ GEMMs go through ``caffepar.layers.blas`` on strided views.
 import functools
 import itertools
 import math
-import threading
 
 import numpy as np
 
 from caffepar.layers.blas import blas_threads, run_parts, split_parts
+from caffepar.layers.blas import scratch as _scratch
 from caffepar.layers.blas import gemm_views as _gemm
 
 __all__ = [
@@ -206,38 +206,6 @@ def _geom(in_sp, kernel, stride, pad, dilation):
 
 
 _cached_geom = functools.lru_cache(maxsize=512)(_Geom)
-
-
-_POOL = threading.local()
-_ALL_POOLS = []
-
-
-def _scratch(key, shape, dtype, zero=False):
-    """A reusable per-thread work array (never returned to callers).
-
-    Fresh large allocations cost page faults and kernel zeroing on every
-    call; keeping one buffer per role bounds the workspace and avoids that.
-    """
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    bufs = getattr(_POOL, "bufs", None)
-    if bufs is None:
-        bufs = _POOL.bufs = {}
-        _ALL_POOLS.append(bufs)
-    raw = bufs.get(key)
-    if raw is None or raw.nbytes < nbytes:
-        bufs.pop(key, None)
-        raw = bufs[key] = np.empty(max(nbytes, 64), np.uint8)
-    a = raw[:nbytes].view(dtype).reshape(shape)
-    if zero:
-        a.fill(0)
-    return a
-
-
-def release_workspace():
-    """Free the cached work arrays (of every thread; call it between passes)."""
-    for bufs in _ALL_POOLS:
-        bufs.clear()
 
 
 def _workspace_chunk(per_image_bytes, n):

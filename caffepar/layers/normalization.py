@@ -1,10 +1,8 @@
 """Normalisation layers: LRN, BatchNorm and MVN, as BVLC Caffe computes them."""
-import threading
-
 import numpy as np
 
 from caffepar.layers.base import Layer, register
-from caffepar.layers.blas import run_parts, split_parts
+from caffepar.layers.blas import run_parts, scratch, split_parts
 from caffepar.proto import caffe_pb2
 
 LRNP = caffe_pb2.LRNParameter
@@ -95,16 +93,6 @@ class LRNLayer(Layer):
             self.factor = neg_power(pooled, self.beta, np.empty_like(pooled))
             np.multiply(x, self.factor, out=y)
 
-    def _scratch(self, x, step):
-        """Two block-sized buffers per thread, kept while the shape holds."""
-        shape = (min(step, len(x)),) + x.shape[1:]
-        per_thread = self.__dict__.setdefault("_blocks", {})
-        bufs = per_thread.get(threading.get_ident())
-        if bufs is None or bufs[0].shape != shape or bufs[0].dtype != x.dtype:
-            bufs = per_thread[threading.get_ident()] = (np.empty(shape, x.dtype),
-                                                        np.empty(shape, x.dtype))
-        return bufs
-
     def _across_forward(self, x, y):
         """scale = k + alpha/n * window sum of x^2, kept for backward with scale^-beta; a
         block of images at a time so the passes run in cache, the blocks spread over the
@@ -117,8 +105,10 @@ class LRNLayer(Layer):
         half = (self.size - 1) // 2
         c = x.shape[1]
 
+        block = (min(step, len(x)),) + x.shape[1:]
+
         def run(blocks):
-            sq = self._scratch(x, step)[0]
+            sq = scratch("lrn_a", block, x.dtype)
             for i, j in blocks:
                 xb, sc, q = x[i:j], self.scale[i:j], sq[:j - i]
                 np.multiply(xb, xb, out=q)
@@ -137,8 +127,10 @@ class LRNLayer(Layer):
         step, blocks = _image_blocks(x)
         factor = -2.0 * self.alpha * self.beta / self.size
 
+        block = (min(step, len(x)),) + x.shape[1:]
+
         def run(blocks):
-            ratio, acc = self._scratch(x, step)
+            ratio, acc = scratch("lrn_a", block, x.dtype), scratch("lrn_b", block, x.dtype)
             for i, j in blocks:
                 r, a = ratio[:j - i], acc[:j - i]
                 np.multiply(dy[i:j], y[i:j], out=r)

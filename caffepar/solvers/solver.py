@@ -4,7 +4,6 @@ restores, with the same order of operations and the same log lines."""
 import logging
 import math
 import os
-import threading
 import time
 
 import numpy as np
@@ -14,7 +13,7 @@ from caffepar import common
 from caffepar.errors import SolverError
 from caffepar.graph.net import TEST, TRAIN
 from caffepar.io.weights import save_caffemodel, save_caffemodel_hdf5
-from caffepar.layers.blas import run_parts, split_parts
+from caffepar.layers.blas import run_parts, scratch, split_parts
 from caffepar.proto import caffe_pb2
 from caffepar.proto.text import read_net_text, read_solver_text
 from caffepar.proto.upgrade import upgrade_solver
@@ -275,18 +274,6 @@ class Solver:
         for flat in self.history_data:
             for blob, offset in zip(self.net.learnable_params, self.net.param_offsets):
                 self.history.append(flat[offset:offset + blob.count].reshape(blob.shape))
-        self._scratch = {}
-
-    def _chunk_scratch(self):
-        """The update's work arrays, one set per thread running chunks."""
-        scratch = self._scratch.get(threading.get_ident())
-        if scratch is None:
-            biggest = max((b.count for b in self.net.learnable_params), default=0)
-            size = min(CHUNK, biggest)
-            scratch = self._scratch[threading.get_ident()] = [
-                np.empty(size, self.net.param_data.dtype)
-                for _ in range(max(1, self.rule.num_scratch))]
-        return scratch
 
     # ------------------------------------------------------------------ hooks
     def add_callback(self, fn, on_gradients_ready=None):
@@ -556,20 +543,21 @@ class Solver:
         n_params = len(params)
         chunks = [(i, start, min(start + CHUNK, blob.count))
                   for i, blob in enumerate(params) for start in range(0, blob.count, CHUNK)]
+        n_work = max(1, self.rule.num_scratch)
 
         def run(chunks):
-            scratch_full = self._chunk_scratch()
+            work = [scratch(f"update{k}", (CHUNK,), net.param_data.dtype) for k in range(n_work)]
             for i, start, stop in chunks:
                 blob = params[i]
-                scratch = [s[:stop - start] for s in scratch_full]
+                work_chunk = [s[:stop - start] for s in work]
                 g = blob.diff.reshape(-1)[start:stop]
                 w = blob.data.reshape(-1)[start:stop]
                 hist = [self.history[s * n_params + i].reshape(-1)[start:stop]
                         for s in range(n_sets)]
                 _rules.normalize(g, p.iter_size)
                 _rules.regularize(g, w, f(p.weight_decay) * f(net.decay_mults[i][0]),
-                                  p.regularization_type, scratch[0])
-                self.rule.update(g, hist, f(rate) * f(net.lr_mults[i][0]), self.iter, scratch)
+                                  p.regularization_type, work_chunk[0])
+                self.rule.update(g, hist, f(rate) * f(net.lr_mults[i][0]), self.iter, work_chunk)
                 w -= g      # Net::Update, while the chunk is in cache
 
         run_parts(run, split_parts(chunks))
