@@ -4,7 +4,7 @@ import numpy as np
 from caffepar import common
 from caffepar.errors import NetError
 from caffepar.graph import net as _net
-from caffepar.layers.python_layer import PythonLayerBase as Layer
+from caffepar.nn.python_layer import PythonLayerBase as Layer
 from caffepar.solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,
                               RMSPropSolver, SGDSolver, Solver, get_solver)
 
@@ -95,7 +95,7 @@ class Net(_net.Net):
 
 
 def layer_type_list():
-    from caffepar.layers import LAYERS
+    from caffepar.nn import LAYERS
     return sorted(LAYERS)
 
 

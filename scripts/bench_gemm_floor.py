@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 
 from bench_layers import best_time, load_net  # noqa: E402
 from bench_train import NETS  # noqa: E402
-from caffepar.layers.blas import gemm_views  # noqa: E402
+from caffepar.nn.blas import gemm_views  # noqa: E402
 
 
 def layer_gemms(net, i):

@@ -93,7 +93,7 @@ def engine(net, i):
     layer = net.layers[i]
     if layer.type != "Convolution":
         return "gemm"
-    from caffepar.layers.conv_math import conv_engine
+    from caffepar.nn.conv_math import conv_engine
     shape = net.blob_list[net.bottom_ids[i][0]].shape
     return conv_engine(shape[layer.axis + 1:], layer.blobs[0].shape, layer.stride, layer.pad,
                        layer.dilation, layer.group)

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from caffepar.layers import blas
+from caffepar.nn import blas
 
 LOADERS = {"numpy-openblas": blas._numpy_openblas, "scipy": blas._scipy_blas}
 

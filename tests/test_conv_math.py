@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from caffepar.layers import conv_math as cm
+from caffepar.nn import conv_math as cm
 
 
 # ---------------------------------------------------------------- references

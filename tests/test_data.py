@@ -14,7 +14,7 @@ from caffepar.data.prefetch import PrefetchError, Prefetcher
 from caffepar.data.tools import _raw_datum, _Writer
 from caffepar.data.transform import DataTransformer
 from caffepar.errors import CaffeparError, DataError, NetError
-from caffepar.layers import create_layer
+from caffepar.nn import create_layer
 from caffepar.proto import caffe_pb2
 from conftest import CAFFE_REF, DATA, need_shared
 

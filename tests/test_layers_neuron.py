@@ -76,7 +76,7 @@ def test_relu(slope, in_place):
 def test_relu_chunked_passes(slope, in_place, monkeypatch):
     """Chunks that do not divide the blob (last one short) give the one-shot formulas, with
     Caffe's x > 0 test (0 and NaN go to the negative side in backward)."""
-    from caffepar.layers import neuron
+    from caffepar.nn import neuron
     monkeypatch.setattr(neuron, "CHUNK", 7)
     text = net_text("ReLU", f"relu_param {{ negative_slope: {slope} }}", in_place=in_place)
     x = randn()
@@ -316,7 +316,7 @@ def test_dropout_seed_reproducible():
 def test_dropout_chunked_mask_is_the_one_shot_draw(in_place, monkeypatch):
     """Drawing the uniforms a chunk at a time continues the same random stream, so masks do
     not depend on the chunk size."""
-    from caffepar.layers import neuron
+    from caffepar.nn import neuron
     monkeypatch.setattr(neuron, "CHUNK", 13)
     ratio = 0.375
     text = net_text("Dropout", f"dropout_param {{ dropout_ratio: {ratio} }}", in_place=in_place)

@@ -107,7 +107,7 @@ def ref_lrn_across_backward(x, dy, n, alpha, beta, k):
 def test_lrn_across_blocks_match_reference(shape, n, beta, block_bytes, workers, monkeypatch):
     """The image-blocked forward/backward (and its beta shortcuts) against the formulas,
     including fewer channels than the window, the blocks on one thread or two."""
-    from caffepar.layers import blas, normalization
+    from caffepar.nn import blas, normalization
     monkeypatch.setattr(normalization, "LRN_BLOCK_BYTES", block_bytes)
     monkeypatch.setattr(blas, "blas_threads", lambda: workers)
     alpha, k = 1.5, 2.0

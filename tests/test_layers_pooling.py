@@ -275,7 +275,7 @@ FAST_CASES = [
 @pytest.fixture(params=[None, 700, 3000], ids=["one-block", "1-plane-blocks", "few-planes"])
 def block_bytes(request, monkeypatch):
     """Tiny blocks split the planes into several runs with a short last one."""
-    from caffepar.layers import pooling
+    from caffepar.nn import pooling
     if request.param:
         monkeypatch.setattr(pooling, "BLOCK_BYTES", request.param)
     return request.param
@@ -284,7 +284,7 @@ def block_bytes(request, monkeypatch):
 @pytest.fixture(params=[1, 3], ids=["1-thread", "3-threads"])
 def workers(request, monkeypatch):
     """The blocks run on one thread, or spread over three."""
-    from caffepar.layers import pooling
+    from caffepar.nn import pooling
     monkeypatch.setattr(pooling, "blas_threads", lambda: request.param)
     return request.param
 

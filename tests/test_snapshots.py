@@ -11,7 +11,7 @@ import pytest
 import caffepar as caffe
 from caffepar.errors import MissingFileError, SolverError
 from caffepar.io import weights as weights_io
-from caffepar.layers import LAYERS
+from caffepar.nn import LAYERS
 from caffepar.proto import caffe_pb2
 from caffepar.proto.text import read_net_text
 from caffepar.proto.upgrade import upgrade_net

@@ -13,7 +13,7 @@ import numpy as np
 from caffepar.blob import Blob
 from caffepar.errors import CaffeparError, NetError, PrototxtError
 from caffepar.graph.passes import filter_net, insert_splits
-from caffepar.layers import create_layer
+from caffepar.nn import create_layer
 from caffepar.proto import caffe_pb2
 from caffepar.proto.text import SourceMap, read_net_text
 from caffepar.proto.upgrade import upgrade_net

@@ -14,8 +14,8 @@ P ranks computes what a one-process net with P times the batch computes.
 import numpy as np
 
 from caffepar.errors import NetError
-from caffepar.layers.blas import gemm
-from caffepar.layers.inner_product import InnerProductLayer
+from caffepar.nn.blas import gemm
+from caffepar.nn.inner_product import InnerProductLayer
 from caffepar.parallel.plan import MODEL, shard_rows
 
 

@@ -13,7 +13,7 @@ from caffepar import common
 from caffepar.errors import SolverError
 from caffepar.graph.net import TEST, TRAIN
 from caffepar.io.weights import save_caffemodel, save_caffemodel_hdf5
-from caffepar.layers.blas import run_parts, scratch, split_parts
+from caffepar.nn.blas import run_parts, scratch, split_parts
 from caffepar.proto import caffe_pb2
 from caffepar.proto.text import read_net_text, read_solver_text
 from caffepar.proto.upgrade import upgrade_solver

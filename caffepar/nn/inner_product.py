@@ -2,8 +2,8 @@
 import numpy as np
 
 from caffepar.blob import canonical_axis
-from caffepar.layers.base import Layer, register
-from caffepar.layers.blas import gemm
+from caffepar.nn.base import Layer, register
+from caffepar.nn.blas import gemm
 
 
 @register("InnerProduct")

@@ -1,9 +1,9 @@
 """The layer library. Each module registers its layers with `register`; importing this package
 imports them all, so the registry is complete."""
-from caffepar.layers import (common, data, inner_product, loss, neuron,  # noqa: F401
+from caffepar.nn import (common, data, inner_product, loss, neuron,  # noqa: F401
                              normalization, pooling, python_layer, recurrent,
                              vision)
-from caffepar.layers.base import LAYERS, Layer, layer_class, register
+from caffepar.nn.base import LAYERS, Layer, layer_class, register
 
 
 def create_layer(param, phase, dtype, where=None):

@@ -36,7 +36,7 @@ bounded: images are processed in chunks (``WORKSPACE_BYTES``), column buffers
 in blocks (``COLS_BYTES``, ``BAND_BYTES``), and the work arrays are reused
 across calls (``blas.release_workspace`` frees them). Results can be written into
 the caller's arrays (``out=``, ``dx_out=``), which saves the layer a copy.
-GEMMs go through ``caffepar.layers.blas`` on strided views.
+GEMMs go through ``caffepar.nn.blas`` on strided views.
 """
 
 import functools
@@ -45,9 +45,9 @@ import math
 
 import numpy as np
 
-from caffepar.layers.blas import blas_threads, run_parts, split_parts
-from caffepar.layers.blas import scratch as _scratch
-from caffepar.layers.blas import gemm_views as _gemm
+from caffepar.nn.blas import blas_threads, run_parts, split_parts
+from caffepar.nn.blas import scratch as _scratch
+from caffepar.nn.blas import gemm_views as _gemm
 
 __all__ = [
     "conv_engine",

@@ -1,8 +1,8 @@
 """Normalisation layers: LRN, BatchNorm and MVN, as BVLC Caffe computes them."""
 import numpy as np
 
-from caffepar.layers.base import Layer, register
-from caffepar.layers.blas import run_parts, scratch, split_parts
+from caffepar.nn.base import Layer, register
+from caffepar.nn.blas import run_parts, scratch, split_parts
 from caffepar.proto import caffe_pb2
 
 LRNP = caffe_pb2.LRNParameter

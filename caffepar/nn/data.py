@@ -14,7 +14,7 @@ from caffepar.data.sources import (backend_name, datum_array, open_db, parse_dat
 from caffepar.data.transform import DataTransformer
 from caffepar.errors import DataError
 from caffepar.fillers import fill
-from caffepar.layers.base import Layer, register
+from caffepar.nn.base import Layer, register
 from caffepar.proto import caffe_pb2
 
 

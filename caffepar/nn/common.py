@@ -4,7 +4,7 @@ BatchReindex, Filter, Parameter, Embed, Bias and Scale."""
 import numpy as np
 
 from caffepar.blob import canonical_axis
-from caffepar.layers.base import Layer, register
+from caffepar.nn.base import Layer, register
 from caffepar.proto import caffe_pb2
 
 

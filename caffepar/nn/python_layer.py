@@ -3,7 +3,7 @@ python_param { module layer param_str }, called with Caffe's setup/reshape/forwa
 import importlib
 import sys
 
-from caffepar.layers.base import Layer, register
+from caffepar.nn.base import Layer, register
 
 
 class PythonLayerBase:

@@ -9,8 +9,8 @@ states are ignored and exposed initial-state bottoms receive no diff.
 """
 import numpy as np
 
-from caffepar.layers.base import Layer, register
-from caffepar.layers.blas import gemm
+from caffepar.nn.base import Layer, register
+from caffepar.nn.blas import gemm
 
 
 def _sigmoid(x):

@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from caffepar.blob import canonical_axis
-from caffepar.layers.base import Layer, register
+from caffepar.nn.base import Layer, register
 from caffepar.proto import caffe_pb2
 from caffepar.proto.text import read_blob_proto
 

@@ -13,8 +13,8 @@ import threading
 
 import numpy as np
 
-from caffepar.layers.base import Layer, register
-from caffepar.layers.blas import blas_threads, run_parts, split_parts
+from caffepar.nn.base import Layer, register
+from caffepar.nn.blas import blas_threads, run_parts, split_parts
 from caffepar.proto import caffe_pb2
 
 PP = caffe_pb2.PoolingParameter

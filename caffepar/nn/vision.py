@@ -3,8 +3,8 @@ array kernels in conv_math."""
 import numpy as np
 
 from caffepar.blob import canonical_axis
-from caffepar.layers import conv_math
-from caffepar.layers.base import Layer, register
+from caffepar.nn import conv_math
+from caffepar.nn.base import Layer, register
 
 
 def _geometry(layer, p, num_spatial):

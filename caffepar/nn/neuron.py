@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from caffepar import common
-from caffepar.layers.base import Layer, register
+from caffepar.nn.base import Layer, register
 from caffepar.proto import caffe_pb2
 
 
