@@ -36,6 +36,16 @@ def cli(ctx, debug):
     ctx.obj.setdefault("argv", [])
 
 
+WATCHDOG_OPTION = click.option(
+    "--watchdog", default=1800, show_default=True, type=click.FloatRange(min=0),
+    help="With several ranks: end the job, naming the ranks that did not come, when a rank "
+         "waits this many seconds in one collective (0: never).")
+ALLOW_MISSING_OPTION = click.option(
+    "--allow-missing", is_flag=True,
+    help="Keep the initial (filler) values of layers the weights file has nothing for, "
+         "instead of refusing it (fine-tuning new layers).")
+
+
 @cli.command("time")
 @click.option("--model", required=True, type=click.Path(dir_okay=False),
               help="Net prototxt to benchmark.")
@@ -56,24 +66,26 @@ def cli(ctx, debug):
 @click.option("--threads", default=None, type=click.IntRange(min=1),
               help="BLAS threads per rank (default: cores / ranks).")
 @click.option("--mpiexec", default=None, help="The mpiexec to start ranks with.")
+@WATCHDOG_OPTION
+@ALLOW_MISSING_OPTION
 @click.option("--gpu", default=None, hidden=True)
 @click.pass_context
 def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, default_mode,
-             model_parallel, mp_threshold, threads, mpiexec, gpu):
+             model_parallel, mp_threshold, threads, mpiexec, watchdog, allow_missing, gpu):
     """Time forward and backward of every layer, as `caffe time`."""
     from caffepar.graph.net import Net
-    from caffepar.parallel.comm import world_comm
     from caffepar.timing import benchmark, format_benchmark
     _warn_gpu(gpu)
     _relaunch_if_asked(ctx, ranks, threads, mpiexec)
-    comm = world_comm()
-    ctx.obj["comm"] = comm
+    comm = _world_comm(ctx, watchdog)
     extra = {}
     if comm.size > 1:
         from caffepar.parallel.model_parallel import layer_factory
         planner = _planner(default_mode, model_parallel, mp_threshold)
         extra = {"shard": (comm.rank, comm.size), "layer_factory": layer_factory(comm, planner)}
-    net = Net(model, phase=_phase(phase), level=level, stages=stage, weights=weights, **extra)
+    net = Net(model, phase=_phase(phase), level=level, stages=stage, **extra)
+    if weights:
+        net.copy_from(weights, allow_missing=allow_missing)
     say = click.echo if comm.rank == 0 else (lambda *a, **k: None)
     result = benchmark(net, iterations, comm=comm, progress=lambda i, ms: say(
         f"Iteration: {i} forward-backward time: {ms:.2f} ms."))
@@ -114,26 +126,27 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
 @click.option("--threads", default=None, type=click.IntRange(min=1),
               help="BLAS threads per rank (default: cores / ranks).")
 @click.option("--mpiexec", default=None, help="The mpiexec to start ranks with.")
+@WATCHDOG_OPTION
+@ALLOW_MISSING_OPTION
 @click.option("--gpu", default=None, hidden=True)
 @click.pass_context
 def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_effect,
               sighup_effect, log_file, csv_file, ranks, default_mode, model_parallel,
-              mp_threshold, log_all_ranks, threads, mpiexec, gpu):
+              mp_threshold, log_all_ranks, threads, mpiexec, watchdog, allow_missing, gpu):
     """Train a net with a solver, as `caffe train`; with --np, over MPI ranks."""
-    from caffepar.parallel.comm import world_comm
     from caffepar.training import run_training
     _warn_gpu(gpu)
     if weights and snapshot:
         raise click.UsageError("give --weights or --snapshot, not both "
                                "(Caffe: snapshot restores the weights too)")
     _relaunch_if_asked(ctx, ranks, threads, mpiexec)
-    comm = world_comm()
-    ctx.obj["comm"] = comm
+    comm = _world_comm(ctx, watchdog)
     planner = _planner(default_mode, model_parallel, mp_threshold)
     run_training(solver, weights=weights, snapshot=snapshot, iterations=iterations,
                  level=level, stages=stage, sigint_effect=sigint_effect,
                  sighup_effect=sighup_effect, log_file=log_file, csv_file=csv_file,
-                 comm=comm, planner=planner, log_all_ranks=log_all_ranks)
+                 comm=comm, planner=planner, log_all_ranks=log_all_ranks,
+                 allow_missing=allow_missing)
 
 
 @cli.command("test")
@@ -143,12 +156,14 @@ def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_e
 @click.option("--level", default=0, type=int)
 @click.option("--stage", multiple=True)
 @click.option("--log", "log_file", default=None, type=click.Path(dir_okay=False))
+@ALLOW_MISSING_OPTION
 @click.option("--gpu", default=None, hidden=True)
-def test_cmd(model, weights, iterations, level, stage, log_file, gpu):
+def test_cmd(model, weights, iterations, level, stage, log_file, allow_missing, gpu):
     """Score a trained model over `iterations` batches, as `caffe test`."""
     from caffepar.training import run_test
     _warn_gpu(gpu)
-    run_test(model, weights, iterations, level=level, stages=stage, log_file=log_file)
+    run_test(model, weights, iterations, level=level, stages=stage, log_file=log_file,
+             allow_missing=allow_missing)
 
 
 @cli.command("plot")
@@ -385,12 +400,62 @@ def _warn_gpu(gpu):
         click.echo("warning: caffepar computes on the CPU; -gpu is ignored", err=True)
 
 
-def _abort_other_ranks(obj, message):
-    """In a multi-rank job a failing rank must end the others, not leave them waiting."""
-    comm = obj.get("comm")
-    if comm is not None and comm.size > 1:
-        from caffepar.parallel.launch import abort_all
-        abort_all(comm, message)
+def _world_comm(ctx, watchdog):
+    """This process's communicator; in a multi-rank job, registered with caffepar's launcher
+    and watched (see comm.Watchdog)."""
+    from caffepar.parallel.comm import world_comm
+    comm = world_comm()
+    ctx.obj["comm"] = comm
+    if comm.size > 1:
+        from caffepar.parallel.launch import register_rank
+        register_rank(comm)
+        comm.start_watchdog(watchdog)
+    return comm
+
+
+def failure(error, debug=False):
+    """(exit status, the one line to print) for an exception that ended a command; the line is
+    None where the exception should propagate (one process: --debug, or an unexpected error,
+    whose traceback is the report)."""
+    if isinstance(error, (click.exceptions.Abort, KeyboardInterrupt)):
+        return 130, "aborted"
+    if isinstance(error, click.exceptions.Exit):
+        return error.exit_code, ""
+    if isinstance(error, click.ClickException):
+        return error.exit_code, f"Error: {error.format_message()}"
+    if isinstance(error, SystemExit):
+        code = error.code
+        return (code if isinstance(code, int) else 0 if code is None else 1), ""
+    if debug:
+        return 1, None
+    if isinstance(error, CaffeparError):
+        return 1, f"caffepar: {error}"
+    if isinstance(error, MemoryError):
+        return 1, f"caffepar: error: out of memory{f' ({error})' if str(error) else ''}"
+    if isinstance(error, OSError):
+        where = f"{error.filename}: " if getattr(error, "filename", None) else ""
+        return 1, f"caffepar: {where}error: {error.strerror or error}"
+    return 1, None
+
+
+def _end_rank(comm, error, debug):
+    """A rank of a multi-rank job that did not finish ends the job, reporting why in one line."""
+    from caffepar.parallel.launch import abort_all
+    code, line = failure(error, debug)
+    if debug:
+        import traceback
+        traceback.print_exception(error)
+    if isinstance(error, SystemExit) or isinstance(error, click.exceptions.Exit):
+        line = f"caffepar: exited (status {code}) before the job finished"
+        code = code or 1
+    elif line is None:
+        import traceback
+        frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+        where = f" ({os.path.basename(frame.filename)}:{frame.lineno}, in {frame.name})" \
+            if frame else ""
+        line = (f"caffepar: error: {type(error).__name__}: {error}{where}" +
+                ("" if debug else "; --debug shows the traceback"))
+    abort_all(comm, line if code == 130 else f"[rank {comm.rank}] {line}", code)
 
 
 def main(argv=None):
@@ -398,37 +463,23 @@ def main(argv=None):
     debug = "--debug" in argv
     obj = {"argv": argv}
     try:
-        try:
-            cli.main(args=argv, prog_name="caffepar", standalone_mode=False, obj=obj)
-        except (CaffeparError, OSError, MemoryError) as e:
-            _abort_other_ranks(obj, f"caffepar: {e}")
+        cli.main(args=argv, prog_name="caffepar", standalone_mode=False, obj=obj)
+    except BaseException as e:
+        comm = obj.get("comm")
+        if comm is not None and comm.size > 1:
+            _end_rank(comm, e, debug)
+        code, line = failure(e, debug)
+        if line is None:
             raise
-        except Exception:
-            import traceback
-            _abort_other_ranks(obj, traceback.format_exc())
-            raise
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except CaffeparError as e:
-        if debug:
-            raise
-        click.echo(f"caffepar: {e}", err=True)
-        sys.exit(1)
-    except MemoryError:
-        if debug:
-            raise
-        click.echo("caffepar: error: out of memory", err=True)
-        sys.exit(1)
-    except OSError as e:
-        if debug:
-            raise
-        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        click.echo(f"caffepar: {where}error: {e.strerror or e}", err=True)
-        sys.exit(1)
+        if isinstance(e, click.ClickException):
+            e.show()
+        elif line:
+            click.echo(line, err=True)
+        sys.exit(code)
+    comm = obj.get("comm")
+    if comm is not None and comm.size > 1:
+        from caffepar.parallel.launch import finish_rank
+        finish_rank(comm)
     sys.exit(0)
 
 

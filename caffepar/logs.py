@@ -1,6 +1,7 @@
 """Training logs in Caffe's glog format (so Caffe's log parsers read ours), per-iteration CSV, and
 reading either back for `caffepar plot`."""
 import csv
+import io
 import logging
 import os
 import re
@@ -55,7 +56,23 @@ class CsvWriter:
     def __init__(self, path):
         self.path = path
         self.fields = ["iter", "loss", "lr", "seconds", "data_wait_s"]
+        self.kept = None
         self.rows = []
+
+    def keep_rows_before(self, iteration):
+        """A resumed run: keep the rows the file already has for iterations before this one."""
+        self.kept = []
+        if not os.path.exists(self.path):
+            return
+        with open(self.path, newline="") as f:
+            reader = csv.DictReader(f)
+            for name in reader.fieldnames or []:
+                if name not in self.fields:
+                    self.fields.append(name)
+            for row in reader:
+                it = _int_or_none(row.get("iter"))
+                if it is not None and it < iteration:
+                    self.kept.append(row)
 
     def add(self, row):
         for key in row:
@@ -64,14 +81,22 @@ class CsvWriter:
         self.rows.append(dict(row))
 
     def write(self):
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore")
-            w.writeheader()
-            for row in self.rows:
-                w.writerow({k: format(v, ".7g") if isinstance(v, float) else v
-                            for k, v in row.items()})
-        os.replace(tmp, self.path)
+        from caffepar.io.weights import atomic_write
+        text = io.StringIO(newline="")
+        w = csv.DictWriter(text, fieldnames=self.fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(self.kept or [])
+        for row in self.rows:
+            w.writerow({k: format(v, ".7g") if isinstance(v, float) else v
+                        for k, v in row.items()})
+        atomic_write(self.path, lambda f: f.write(text.getvalue().encode("utf-8")))
+
+
+def _int_or_none(text):
+    try:
+        return int(float(text))
+    except (TypeError, ValueError):
+        return None
 
 
 _ITER = re.compile(r"Iteration (\d+)")

@@ -18,7 +18,6 @@ class SignalActions:
         if hasattr(signal, "SIGHUP"):
             self.effects[signal.SIGHUP] = sighup_effect
         self.pending = "none"
-        self.stopped_by_signal = False
         self.previous = {}
 
     def install(self):
@@ -34,8 +33,6 @@ class SignalActions:
         effect = self.effects.get(signum, "none")
         if effect == "none":
             return
-        if effect == "stop":
-            self.stopped_by_signal = True
         if self.pending != "stop":
             self.pending = effect
         LOGGER.info(f"Signal {signal.Signals(signum).name} received: {effect}")
@@ -94,17 +91,14 @@ def _hook_bar_into_logging(bar):
             handler.emit = emit_under_bar
 
 
-def _snapshot_exists(solver):
-    stem = f"{solver.snapshot_prefix}_iter_{solver.iter}"
-    return any(os.path.exists(stem + ext) for ext in (".solverstate", ".solverstate.h5"))
-
-
 def run_training(solver_path, weights=None, snapshot=None, iterations=None, level=0, stages=(),
                  sigint_effect="stop", sighup_effect="snapshot", log_file=None, csv_file=None,
-                 comm=None, planner=None, log_all_ranks=False):
+                 comm=None, planner=None, log_all_ranks=False, allow_missing=False):
     """`caffepar train`: one process, or one rank of a parallel job when comm has P > 1."""
+    from caffepar.io.weights import copy_weights_files
     from caffepar.proto.text import read_solver_text
     from caffepar.solvers import get_solver
+    from caffepar.solvers.snapshot import PrefixLock, stale_temp_files
     rank = comm.rank if comm is not None else 0
     parallel = comm is not None and comm.size > 1
     setup_logging(log_file if rank == 0 else None, enabled=rank == 0 or log_all_ranks,
@@ -119,13 +113,38 @@ def run_training(solver_path, weights=None, snapshot=None, iterations=None, leve
         solver = make_parallel_solver(param, comm, source=solver_path, planner=planner)
     else:
         solver = get_solver(param, source=solver_path)
-    if weights:
-        for path in weights.split(","):
-            LOGGER.info(f"Finetuning from {path}")
+    lock = PrefixLock(solver.snapshot_prefix)
+    if rank == 0 and lock.acquire():
+        _remove_stale_temp_files(stale_temp_files(solver.snapshot_prefix))
+    try:
+        if weights:
+            paths = weights.split(",")
+            for path in paths:
+                LOGGER.info(f"Finetuning from {path}")
             for net in [solver.net] + list(solver.test_nets):
-                net.copy_from(path)
-    csv = CsvWriter(csv_file or f"{solver.snapshot_prefix}_log.csv") if rank == 0 else None
+                copy_weights_files(net, paths, allow_missing=allow_missing)
+        return _train(solver, param, snapshot, sigint_effect, sighup_effect, csv_file, rank)
+    finally:
+        lock.release()
+
+
+def _remove_stale_temp_files(paths):
+    sizes = 0
+    for path in paths:
+        try:
+            sizes += os.path.getsize(path)
+            os.unlink(path)
+        except OSError:
+            pass
+    if paths:
+        LOGGER.info(f"Removed {len(paths)} temp file(s) ({sizes / 2 ** 20:.1f} MB) left by an "
+                    f"interrupted write: {', '.join(os.path.basename(p) for p in paths)}")
+
+
+def _train(solver, param, snapshot, sigint_effect, sighup_effect, csv_file, rank):
+    """The solver's run with signals, the CSV and the progress bar attached."""
     start_iter = solver.iter
+    csv = CsvWriter(csv_file or f"{solver.snapshot_prefix}_log.csv") if rank == 0 else None
     bar = ProgressBar(param.max_iter, enabled=rank == 0)
     _hook_bar_into_logging(bar)
     waited = {"seconds": 0.0, "data": 0.0}
@@ -136,7 +155,11 @@ def run_training(solver_path, weights=None, snapshot=None, iterations=None, leve
                "seconds": info.get("seconds"), "data_wait_s": info.get("data_wait")}
         row.update({f"test/{k}": v for k, v in info.get("test", {}).items()})
         if csv is not None:
+            if snapshot and csv.kept is None:
+                csv.keep_rows_before(info["iter"])
             csv.add(row)
+            if solver.last_snapshot_iter == solver.iter:
+                csv.write()     # a run resumed from this snapshot keeps these rows
         waited["seconds"] += info.get("seconds") or 0.0
         waited["data"] += info.get("data_wait") or 0.0
         if display and info["iter"] % display == 0 and waited["seconds"] > 0:
@@ -153,23 +176,27 @@ def run_training(solver_path, weights=None, snapshot=None, iterations=None, leve
     LOGGER.info("Starting Optimization")
     try:
         solver.solve(resume_file=snapshot)
-        if actions.stopped_by_signal and not _snapshot_exists(solver):
+        # Every rank agrees on requested_early_exit and last_snapshot_iter, so all take part.
+        if solver.requested_early_exit and solver.last_snapshot_iter != solver.iter:
             solver.snapshot()
     finally:
         actions.restore()
         bar.close()
         if csv is not None and (csv.rows or start_iter == solver.iter):
+            if snapshot and csv.kept is None:
+                csv.keep_rows_before(solver.iter)
             csv.write()
     if csv is not None:
         LOGGER.info(f"Wrote per-iteration values to {csv.path}")
     return solver
 
 
-def run_test(model, weights, iterations, level=0, stages=(), log_file=None):
+def run_test(model, weights, iterations, level=0, stages=(), log_file=None, allow_missing=False):
     """Caffe's `test`: forward `iterations` batches, print each batch's outputs, then means."""
     from caffepar.graph.net import TEST, Net
     setup_logging(log_file)
-    net = Net(model, phase=TEST, level=level, stages=tuple(stages), weights=weights)
+    net = Net(model, phase=TEST, level=level, stages=tuple(stages))
+    net.copy_from(weights, allow_missing=allow_missing)
     LOGGER.info(f"Running for {iterations} iterations.")
     names = list(net.outputs)
     scores = {n: None for n in names}

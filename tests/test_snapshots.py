@@ -29,7 +29,7 @@ def tiny_solver(tmp_path, monkeypatch, extra=""):
 
 
 def temp_files(folder):
-    return [f for f in os.listdir(folder) if f.startswith(".tmp_")]
+    return [f for f in os.listdir(folder) if f.endswith(".tmp")]
 
 
 # ------------------------------------------------------------------------ our files are Caffe's
@@ -51,8 +51,9 @@ def test_binary_snapshot_decodes_as_caffe_protos(tmp_path, monkeypatch):
     for bp, h in zip(state.history, solver.history):
         assert tuple(bp.shape.dim) == h.shape
         np.testing.assert_array_equal(np.array(bp.data, np.float32).reshape(h.shape), h)
+    assert state.history_count == len(state.history)
     record = json.loads(state.rng_state)
-    assert set(record) == {"rng", "data"} and record["rng"]["bit_generator"]
+    assert set(record) == {"rng", "data", "test"} and record["rng"]["bit_generator"]
 
 
 def test_binary_state_bytes_match_protobuf_without_extensions(tmp_path):

@@ -11,7 +11,7 @@ import numpy as np
 
 from caffepar.errors import MissingFileError, WeightsError
 from caffepar.io.weights import (CaffeModel, _blob_chunks, atomic_write, copy_weights_into,
-                                 is_hdf5, read_caffemodel)
+                                 is_hdf5, layers_without_weights, read_caffemodel)
 from caffepar.proto import caffe_pb2
 
 __all__ = ["open_weights", "save_npz", "read_npz", "write_caffemodel", "write_hdf5",
@@ -192,9 +192,7 @@ def load_weights(net, source, allow_missing=False):
     random weights is worse than none); with it, such layers keep their fillers, as when
     fine-tuning."""
     model = source if isinstance(source, CaffeModel) else open_weights(source)
-    in_file = {name for name, _t, blobs in model.layers if blobs}
-    missing = [layer.name for layer in net.layers if layer.blobs and layer.name not in in_file
-               and not _shares_all(net, layer)]
+    missing = layers_without_weights(net, [model])
     copied = copy_weights_into(net, model)  # shape mismatches first: they are the precise ones
     if missing and not allow_missing:
         raise WeightsError(f"no weights for layer(s) {', '.join(missing)}", path=model.path,
@@ -203,14 +201,6 @@ def load_weights(net, source, allow_missing=False):
     layer_names = set(net.layer_dict)
     unused = [name for name, _t, blobs in model.layers if blobs and name not in layer_names]
     return LoadReport(copied, missing, unused)
-
-
-def _shares_all(net, layer):
-    """True when every blob of the layer is shared from an earlier layer (named ParamSpecs):
-    it gets its values through the owner."""
-    i = net.layers.index(layer)
-    owners = [o for (li, _k), o in zip(net.param_layer_index, net.param_owner) if li == i]
-    return bool(owners) and all(o >= 0 for o in owners)
 
 
 def net_model(net):

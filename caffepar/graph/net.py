@@ -382,8 +382,10 @@ class Net:
         return {name: self.blobs[name].diff for name in sorted(wanted)}
 
     def copy_from(self, path, allow_missing=True):
-        from caffepar.io.weights import copy_weights_into
-        copy_weights_into(self, path)
+        """Caffe's CopyTrainedLayersFrom (layers the file lacks keep their values, unless
+        allow_missing is False: then they are an error)."""
+        from caffepar.io.weights import copy_weights_files
+        copy_weights_files(self, [path], allow_missing=allow_missing)
 
     def share_with(self, other):
         """Share trained layers' parameter data with another net (Caffe's ShareTrainedLayersWith)."""

@@ -6,8 +6,11 @@ and its packed data is handed to NumPy as one buffer; only the small, blob-free 
 goes through protobuf.
 """
 import os
+import re
+import stat
 import struct
 import tempfile
+import threading
 
 import numpy as np
 
@@ -294,6 +297,32 @@ def copy_weights_into(net, path, strict_names=False):
     return copied
 
 
+def layers_without_weights(net, models):
+    """Names of the net's layers with parameters of their own that none of `models` holds
+    weights for (layers whose every blob is shared from an earlier one get theirs through it)."""
+    in_files = {name for model in models for name, _type, blobs in model.layers if blobs}
+    owned = {i for n, (i, _k) in enumerate(net.param_layer_index) if net.param_owner[n] < 0}
+    return [layer.name for i, layer in enumerate(net.layers)
+            if layer.blobs and layer.name not in in_files and i in owned]
+
+
+def copy_weights_files(net, paths, allow_missing=True):
+    """Caffe's `--weights a.caffemodel,b.caffemodel`: each file copied by layer name, in turn.
+    Unless `allow_missing`, a layer with parameters that no file holds is an error: a model cut
+    short (or the wrong file) would otherwise train or score with filler weights."""
+    models = [p if isinstance(p, CaffeModel) else read_caffemodel(p) for p in paths]
+    if not allow_missing:
+        missing = layers_without_weights(net, models)
+        if missing:
+            raise WeightsError(f"no weights for layer(s) {', '.join(missing)}",
+                               path=",".join(str(m.path) for m in models),
+                               hint="pass --allow-missing to keep their initial (filler) "
+                                    "values, as when fine-tuning new layers")
+    for model in models:
+        copy_weights_into(net, model)
+    return models
+
+
 # ------------------------------------------------------------------------------- writing
 def _encode_varint(value):
     out = bytearray()
@@ -365,14 +394,65 @@ def net_to_proto(net, write_diff=False):
     return proto
 
 
+TEMP_SUFFIX = ".tmp"
+
+
+def temp_name_pattern(stem):
+    """A regex for the temp files atomic_write makes for files whose names start with `stem`:
+    `.<name>.<random>.tmp`, hidden and ending in .tmp, so `*.caffemodel` never matches them."""
+    return re.compile(re.escape(f".{stem}") + r".*\.[A-Za-z0-9_]+" + re.escape(TEMP_SUFFIX))
+
+
+def file_mode(path):
+    """The permission bits a file written to `path` gets: the existing file's, else those
+    open() would give a new file (0666 less the umask)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+def _umask():
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o22)
+        os.umask(mask)
+    return mask
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def _write_error(error, path):
+    """An error raised while writing `path`, as an OSError naming `path` (write errors carry
+    no file name; HDF5's carry an errno inside their text)."""
+    if isinstance(error, OSError) and error.errno:
+        return OSError(error.errno, error.strerror or str(error), path)
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    found = re.search(r"errno = (\d+)", text)
+    if found:
+        number = int(found.group(1))
+        return OSError(number, os.strerror(number), path)
+    return OSError(None, text, path)
+
+
 def atomic_write(path, writer, binary=True):
     """Write through a temp file in the same folder and rename, so a crash never leaves a
     half-written file under `path`. `writer` gets an open file, or the temp path when
-    binary is False (for libraries such as h5py that open files themselves)."""
+    binary is False (for libraries such as h5py that open files themselves). The file gets
+    the permissions open() would give it; a failed write (disk full) raises an OSError naming
+    `path`."""
     path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=os.path.basename(path), dir=folder)
+    folder, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=TEMP_SUFFIX, dir=folder)
     try:
+        os.fchmod(fd, file_mode(path))
         if binary:
             with os.fdopen(fd, "wb") as f:
                 writer(f)
@@ -382,9 +462,12 @@ def atomic_write(path, writer, binary=True):
             os.close(fd)
             writer(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and getattr(e, "filename", None) is None \
+                or not binary and isinstance(e, (OSError, RuntimeError)):
+            raise _write_error(e, path) from e
         raise
 
 

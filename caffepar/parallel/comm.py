@@ -5,6 +5,7 @@ ordinary process (and in tests) unchanged. `MpiComm` runs the same calls over mp
 buffer (uppercase) methods on contiguous NumPy arrays.
 """
 import os
+import signal
 import time
 from collections import defaultdict
 
@@ -46,12 +47,32 @@ class Comm:
 
     def __init__(self):
         self.stats = CommStats()
+        self.calls = 0
+        self.waiting = None
+        self.watchdog = None
 
     def _timed(self, tag, op, nbytes, fn):
         t0 = time.perf_counter()
-        result = fn()
+        result = self._watched(tag, op, fn)
         self.stats.add((tag, op), time.perf_counter() - t0, nbytes)
         return result
+
+    def _watched(self, tag, op, fn):
+        """Run one collective, noting for the watchdog which one this rank waits in."""
+        self.calls += 1
+        self.waiting = (self.calls, op, tag, time.monotonic())
+        try:
+            return fn()
+        finally:
+            self.waiting = None
+
+    def start_watchdog(self, timeout):
+        """See Watchdog; nothing to watch with one rank."""
+
+    def stop_watchdog(self):
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
 
     # Collectives (overridden by MpiComm). All work in place where the name says so.
     def allreduce_sum(self, buf, tag=""):
@@ -146,10 +167,14 @@ class MpiComm(Comm):
         return buf
 
     def bcast_object(self, obj, root=0):
-        return obj if self.size == 1 else self.comm.bcast(obj, root=root)
+        if self.size == 1:
+            return obj
+        return self._watched("", "bcast", lambda: self.comm.bcast(obj, root=root))
 
     def allreduce_scalar(self, value):
-        return value if self.size == 1 else self.comm.allreduce(value, op=self.MPI.SUM)
+        if self.size == 1:
+            return value
+        return self._watched("", "allreduce", lambda: self.comm.allreduce(value, op=self.MPI.SUM))
 
     def gatherv(self, send, recv, counts, root=0, tag=""):
         if self.size == 1:
@@ -163,10 +188,121 @@ class MpiComm(Comm):
         return recv
 
     def barrier(self):
-        self.comm.Barrier()
+        self._watched("", "barrier", self.comm.Barrier)
 
     def abort(self, code=1):
         self.comm.Abort(code)
+
+    def start_watchdog(self, timeout):
+        if self.size > 1 and self.watchdog is None:
+            self.watchdog = Watchdog(self, timeout)
+            self.watchdog.start()
+
+
+class Watchdog:
+    """A thread per rank that ends the job when something has gone wrong outside this rank.
+
+    - This rank has waited `timeout` seconds in one collective (0: never): it asks every rank
+      (point to point, on a communicator of its own) how far it has got, and ends the job naming
+      the ranks that have not reached that collective or do not answer.
+    - This rank's parent (the process manager's proxy) has died: the job cannot end normally.
+    - caffepar's launcher has died (where the kernel cannot tell mpiexec): snapshot and stop,
+      as SIGTERM.
+    The training thread only notes which collective it is in; the watchdog looks once a second.
+    """
+
+    INTERVAL = 1.0
+    QUERY, ANSWER = 7301, 7302
+
+    def __init__(self, comm, timeout):
+        import threading
+        from caffepar.parallel.launch import LAUNCHER_VAR
+        self.comm, self.timeout = comm, float(timeout)
+        self.MPI = comm.MPI
+        self.side = comm.comm.Dup()
+        self.can_ask = self.MPI.Query_thread() == self.MPI.THREAD_MULTIPLE
+        self.parent = os.getppid()
+        launcher = os.environ.get(LAUNCHER_VAR)
+        self.launcher = int(launcher) if launcher and launcher.isdigit() else None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="caffepar-watchdog", daemon=True)
+
+    def start(self):
+        import atexit
+        self.thread.start()
+        atexit.register(self.stop)      # before MPI_Finalize (registered earlier, run later)
+
+    def stop(self):
+        self.stopping.set()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def _run(self):
+        from caffepar.parallel.launch import process_alive
+        query = np.zeros(1, np.int64)
+        request = self.side.Irecv(query, source=self.MPI.ANY_SOURCE, tag=self.QUERY) \
+            if self.can_ask else None
+        while not self.stopping.wait(self.INTERVAL):
+            request = self._answer(request, query)
+            if os.getppid() != self.parent:
+                self._end_job(f"[rank {self.comm.rank}] caffepar: lost its process manager "
+                              f"(parent process {self.parent} ended)")
+            if self.launcher is not None and not process_alive(self.launcher):
+                self.launcher = None
+                os.kill(os.getpid(), signal.SIGTERM)
+            waiting = self.comm.waiting
+            if self.timeout and waiting and time.monotonic() - waiting[3] > self.timeout:
+                self._expired(waiting, request, query)
+        if request is not None:
+            request.Cancel()
+            request.Wait()
+
+    def _answer(self, request, query):
+        """Tell a rank that asks: how many collectives this rank has entered, and whether it
+        waits in the last one."""
+        status = self.MPI.Status()
+        while request is not None and request.Test(status):
+            waiting = self.comm.waiting
+            self.side.Isend(np.array([self.comm.calls, waiting is not None], np.int64),
+                            dest=status.Get_source(), tag=self.ANSWER).Wait()
+            request = self.side.Irecv(query, source=self.MPI.ANY_SOURCE, tag=self.QUERY)
+        return request
+
+    def _expired(self, waiting, request, query):
+        number, op, tag, _since = waiting
+        what = f"{op} {tag!r} (collective #{number})" if tag else f"{op} (collective #{number})"
+        others = [r for r in range(self.comm.size) if r != self.comm.rank]
+        answers = {}
+        if self.can_ask:
+            replies = {r: np.zeros(2, np.int64) for r in others}
+            pending = {r: self.side.Irecv(replies[r], source=r, tag=self.ANSWER) for r in others}
+            for r in others:
+                self.side.Isend(np.array([number], np.int64), dest=r, tag=self.QUERY).Wait()
+            deadline = time.monotonic() + max(5.0, 3 * self.INTERVAL)
+            while pending and time.monotonic() < deadline:
+                request = self._answer(request, query)
+                for r in [r for r, req in pending.items() if req.Test()]:
+                    answers[r] = replies[r]
+                    del pending[r]
+                time.sleep(0.05)
+        late = sorted(r for r in others if r not in answers or answers[r][0] < number)
+        if late:
+            detail = "; ".join(
+                f"rank {r} " + (f"is at collective #{answers[r][0]}" if r in answers
+                                else "does not answer") for r in late)
+            label = f"[rank {late[0]}]" if len(late) == 1 else \
+                f"[ranks {', '.join(map(str, late))}]"
+            line = (f"{label} caffepar: did not reach {what} within the watchdog's "
+                    f"{self.timeout:g} s ({detail}); ended the job")
+        else:
+            line = (f"[rank {self.comm.rank}] caffepar: waited {self.timeout:g} s in {what}; "
+                    "every rank is in a collective (the ranks do not call the same ones); "
+                    "ended the job")
+        self._end_job(line)
+
+    def _end_job(self, line):
+        from caffepar.parallel.launch import abort_all
+        abort_all(self.comm, line)
 
 
 _LAUNCH_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",

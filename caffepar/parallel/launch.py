@@ -1,13 +1,36 @@
 """Starting a P-rank job (`--np P` re-runs the command under the mpiexec installed with
-caffepar) and ending all ranks when one fails."""
+caffepar), watching it from the launcher, and ending every rank when one fails.
+
+The launcher stays the job's one front: the signals it gets (from a terminal's Ctrl-C, `kill`, or
+a signal to its whole process group) go to every rank, which acts as one process does
+(`--sigint_effect` / `--sighup_effect`, SIGTERM snapshot and stop). mpiexec runs in a session
+of its own, so group signals never reach it: hydra's mpiexec force-kills the job on a second
+SIGINT and dies of SIGHUP. If the launcher itself is killed, even by SIGKILL, the kernel sends
+mpiexec SIGTERM (Linux's parent-death signal), which it forwards to the ranks: they snapshot and
+stop; each rank also checks that the launcher is alive (the same request where there is no
+parent-death signal). Ranks note in a job folder their pid and how they ended; the launcher
+prints each failure once, as one line naming the rank, and names a rank that ended without a
+word (killed, or exited on its own).
+"""
 import os
+import re
+import select
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 from caffepar._threads import threads_per_rank
+
+#: Set by `relaunch` for the ranks: the job folder, and the launcher's pid.
+JOB_DIR_VAR = "CAFFEPAR_JOB_DIR"
+LAUNCHER_VAR = "CAFFEPAR_LAUNCHER_PID"
+
+FORWARDED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+                  if hasattr(signal, name))
 
 
 def find_mpiexec(explicit=None):
@@ -38,7 +61,8 @@ def strip_option(argv, names, takes_value=True):
 
 
 def relaunch(ranks, argv, threads=None, mpiexec=None):
-    """Run `caffepar <argv>` under mpiexec with `ranks` processes; return its exit status."""
+    """Run `caffepar <argv>` under mpiexec with `ranks` processes; return the exit status
+    a one-process run would have had."""
     from caffepar.errors import CaffeparError
     exe = find_mpiexec(mpiexec)
     if exe is None:
@@ -50,37 +74,306 @@ def relaunch(ranks, argv, threads=None, mpiexec=None):
         if threads or var not in os.environ:
             env[var] = n
     env["CAFFEPAR_MPI"] = "1"
+    folder = tempfile.mkdtemp(prefix="caffepar-job-")
+    env[JOB_DIR_VAR] = folder
+    env[LAUNCHER_VAR] = str(os.getpid())
     cmd = [exe, "-n", str(ranks), sys.executable, "-m", "caffepar.cli"] + list(argv)
-    fd, report = tempfile.mkstemp(prefix="caffepar-abort-", suffix=".txt")
-    os.close(fd)
-    env[ABORT_REPORT_VAR] = report
     try:
-        status = subprocess.call(cmd, env=env)
-        with open(report, encoding="utf-8", errors="replace") as f:
-            reasons = f.read()
-        if reasons:
-            sys.stderr.write(reasons)
-            sys.stderr.flush()
-        return status
+        status = Job(cmd, env, folder, ranks).run()
     finally:
-        os.unlink(report)
+        shutil.rmtree(folder, ignore_errors=True)
+    if status < 0:      # the ranks died of the signal the launcher got: so does the launcher
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+        status = 128 - status
+    return status
 
 
-#: Set by `relaunch`: the file a failing rank writes its reason to. mpiexec may tear down
-#: the output forwarding of the ranks it kills before their last lines arrive, so the
-#: launcher prints the reason itself once the job has ended.
-ABORT_REPORT_VAR = "CAFFEPAR_ABORT_REPORT"
+class Job:
+    """mpiexec and its ranks, seen from the launcher."""
+
+    POLL, STARTING = 0.25, 0.02
+    """Seconds between looks at the job folder for ranks that have started (until all have)."""
+
+    def __init__(self, cmd, env, folder, size):
+        self.cmd, self.env, self.folder, self.size = cmd, env, folder, size
+        self.host = socket.gethostname()
+        self.registered = set()  # ranks that have written their pid
+        self.pids = {}          # rank -> pid, for the ranks on this host
+        self.pidfds = {}        # pidfd -> rank (None: mpiexec)
+        self.gone = []          # ranks in the order they were seen to end
+        self.received = []      # signals the launcher got
+        self.poller = select.poll() if hasattr(os, "pidfd_open") else None
+        self.proc = None
+
+    # ---- running
+    def run(self):
+        previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
+        try:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.DEVNULL,
+                                         start_new_session=True,
+                                         preexec_fn=_parent_death_signal())
+            self._watch(None, self.proc.pid)
+            while self.proc.poll() is None:
+                self._register()
+                self._wait()
+            self._register()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        self._end_leftovers()
+        return self._report()
+
+    def _forward(self, signum, frame):
+        self.received.append(signum)
+        for rank, pid in self.pids.items():
+            if rank not in self.gone:
+                _signal(pid, signum)
+
+    def _watch(self, rank, pid):
+        if self.poller is None:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            if rank is not None:
+                self.gone.append(rank)
+            return
+        except OSError:     # an old kernel: look at the ranks every POLL seconds instead
+            self.poller = None
+            return
+        self.pidfds[fd] = rank
+        self.poller.register(fd, select.POLLIN)
+
+    def _register(self):
+        """Ranks that wrote their pid since the last look: watched, and sent the signals the
+        launcher got before they could take them."""
+        if len(self.registered) == self.size:
+            return
+        for name in os.listdir(self.folder):
+            found = re.fullmatch(r"rank(\d+)\.pid", name)
+            if not found or int(found.group(1)) in self.registered:
+                continue
+            rank = int(found.group(1))
+            try:
+                with open(os.path.join(self.folder, name), encoding="utf-8") as f:
+                    pid, host = f.read().split()
+            except (OSError, ValueError):
+                continue
+            self.registered.add(rank)
+            if host != self.host:
+                continue
+            self.pids[rank] = int(pid)
+            self._watch(rank, int(pid))
+            for sig in self.received:
+                _signal(int(pid), sig)
+
+    def _wait(self):
+        """Until a rank or mpiexec ends, a signal comes, or POLL seconds pass."""
+        timeout = self.POLL if len(self.registered) == self.size else self.STARTING
+        if self.poller is None:
+            time.sleep(timeout)
+            for rank, pid in self.pids.items():
+                if rank not in self.gone and not process_alive(pid):
+                    self.gone.append(rank)
+            return
+        for fd, _event in self.poller.poll(timeout * 1000):
+            rank = self.pidfds.pop(fd, None)
+            self.poller.unregister(fd)
+            os.close(fd)
+            if rank is not None:
+                self.gone.append(rank)
+
+    def _end_leftovers(self):
+        """Ranks still running once mpiexec has ended (a process manager killed under them):
+        a moment to end on their own, then SIGKILL."""
+        for fd in list(self.pidfds):
+            os.close(fd)
+        self.pidfds.clear()
+        left = [r for r, pid in self.pids.items() if r not in self.gone and process_alive(pid)]
+        deadline = time.monotonic() + 2.0
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = [r for r in left if process_alive(self.pids[r])]
+        for rank in left:
+            _signal(self.pids[rank], signal.SIGKILL)
+            self.gone.append(rank)
+
+    # ---- the outcome
+    def _ends(self):
+        """{rank: (exit status, report line)} from the ranks' end records."""
+        ends = {}
+        for name in os.listdir(self.folder):
+            found = re.fullmatch(r"rank(\d+)\.end", name)
+            if found:
+                with open(os.path.join(self.folder, name), encoding="utf-8",
+                          errors="replace") as f:
+                    code, _, line = f.read().partition("\n")
+                ends[int(found.group(1))] = (int(code), line.strip())
+        return ends
+
+    def _report(self):
+        status = self.proc.returncode
+        ends = self._ends()
+        failed = [(r, code, line) for r, (code, line) in sorted(ends.items()) if code]
+        if failed:
+            _say(merge_rank_lines([line for _r, _c, line in failed]))
+            return failed[0][1]
+        missing = [r for r in range(self.size) if r not in ends]
+        if not missing:
+            return status
+        if self.received and status == self.received[-1]:
+            return -status      # hydra's status for ranks killed by that signal
+        if status < 0:
+            _say([f"caffepar: mpiexec (the process manager) was ended by "
+                  f"{signal.Signals(-status).name}; ranks {_ranks(missing)} did not finish"])
+            return 1
+        first = [r for r in self.gone if r in missing][:1] or missing
+        label = f"[rank {first[0]}]" if len(first) == 1 else f"[ranks {_ranks(first)}]"
+        _say([f"{label} caffepar: ended before the job finished, without an error message "
+              f"(killed by a signal, or exited on its own); mpiexec's exit status {status}"])
+        return 1
 
 
-def abort_all(comm, message, code=1):
-    """Report the failing rank's reason and end every rank of the job."""
-    line = f"[rank {comm.rank}] {message}\n"
-    report = os.environ.get(ABORT_REPORT_VAR)
-    if report:
-        with open(report, "a", encoding="utf-8") as f:
-            f.write(line)
-    else:
-        sys.stderr.write(line)
+def _signal(pid, signum):
+    try:
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def process_alive(pid):
+    """True while process `pid` runs (a zombie, ended but not yet reaped, does not count)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self")
+    except (OSError, IndexError):
+        return True
+
+
+def _ranks(ranks):
+    return ", ".join(str(r) for r in ranks)
+
+
+def _say(lines):
+    for line in lines:
+        sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def merge_rank_lines(lines):
+    """Report lines, each once: `[rank 0] X` and `[rank 1] X` become `[ranks 0, 1] X`."""
+    order, ranks = [], {}
+    for line in lines:
+        found = re.fullmatch(r"\[rank (\d+)\] (.*)", line, re.S)
+        text = found.group(2) if found else line
+        if text not in ranks:
+            order.append(text)
+            ranks[text] = []
+        if found and int(found.group(1)) not in ranks[text]:
+            ranks[text].append(int(found.group(1)))
+    out = []
+    for text in order:
+        rs = sorted(ranks[text])
+        label = "" if not rs else f"[rank {rs[0]}] " if len(rs) == 1 else f"[ranks {_ranks(rs)}] "
+        out.append(label + text)
+    return out
+
+
+def _parent_death_signal():
+    """A preexec_fn that has the kernel send mpiexec SIGTERM when the launcher dies (Linux's
+    PR_SET_PDEATHSIG), or None where there is no such thing."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    launcher = os.getpid()
+
+    def set_signal():
+        prctl(1, int(signal.SIGTERM), 0, 0, 0)     # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != launcher:                # the launcher died before prctl
+            os._exit(1)
+
+    return set_signal
+
+
+# ------------------------------------------------------------------------ the ranks' side
+def _job_file(comm, kind):
+    folder = os.environ.get(JOB_DIR_VAR)
+    return os.path.join(folder, f"rank{comm.rank}.{kind}") if folder else None
+
+
+def _write_job_file(path, text):
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def register_rank(comm):
+    """Tell the launcher (if caffepar's launcher started this job) which process is this rank."""
+    path = _job_file(comm, "pid")
+    if path:
+        try:
+            _write_job_file(path, f"{os.getpid()} {socket.gethostname()}\n")
+        except OSError:     # a rank on another host, without the launcher's folder
+            pass
+
+
+def finish_rank(comm):
+    """This rank ended normally."""
+    comm.stop_watchdog()
+    path = _job_file(comm, "end")
+    if path:
+        try:
+            _write_job_file(path, "0\n")
+        except OSError:
+            pass
+
+
+def abort_all(comm, line, code=1):
+    """End every rank of the job, with `line` (`[rank r] ...`) as the reason, reported once.
+
+    Under caffepar's launcher the line goes to the job folder and the rank just exits: hydra
+    ends the others, quietly, and the launcher prints the line. Under another launcher the line
+    goes to stderr, then MPI_Abort (its own banner silenced) ends the job."""
+    path = _job_file(comm, "end")
+    written = False
+    if path:
+        try:
+            _write_job_file(path, f"{code}\n{line}\n")
+            written = True
+        except OSError:
+            pass
+    if not written:
+        sys.stderr.write(line + "\n")
         sys.stderr.flush()
         time.sleep(0.5)     # a launcher we did not start forwards output asynchronously
-    comm.abort(code)
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    if not written:
+        _silence_output()
+        comm.abort(code)
+    os._exit(code)
+
+
+def _silence_output():
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+    except OSError:
+        pass

@@ -7,6 +7,9 @@ reads our files: `data_position` / `rng_state` (fields 1000/1001) in the binary 
 """
 import json
 import os
+import re
+import socket
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,7 +18,7 @@ from google.protobuf.message import DecodeError
 from caffepar.errors import MissingFileError, SolverError
 from caffepar.io.weights import (BLOB_DATA, BLOB_SHAPE, SHAPE_DIM, _Truncated, _encode_varint,
                                  _fields, _float_payload, _key, _length_delimited, atomic_write,
-                                 decode_blob)
+                                 decode_blob, temp_name_pattern)
 from caffepar.proto import caffe_pb2
 
 STATE_HISTORY = 3
@@ -51,8 +54,11 @@ def _blob_chunks(array):
     return [_key(BLOB_DATA, 2) + _encode_varint(len(payload)), payload, shape]
 
 
-def encode_resume_state(rng_state, data_states):
-    return json.dumps({"rng": rng_state, "data": data_states}, sort_keys=True).encode("utf-8")
+def encode_resume_state(rng_state, data_states, test_states=()):
+    """The JSON resume record: the RNG state, the train net's data layer states, and those of
+    each test net (so test outputs after a resume are those of the uninterrupted run)."""
+    return json.dumps({"rng": rng_state, "data": data_states, "test": list(test_states)},
+                      sort_keys=True).encode("utf-8")
 
 
 # ------------------------------------------------------------------------------- binary
@@ -63,6 +69,8 @@ def write_binary(path, state):
     head.iter = int(state.iter)
     if state.learned_net is not None:
         head.learned_net = state.learned_net
+    if state.rng_state is not None:
+        head.history_count = len(state.history)
     tail = caffe_pb2.SolverState()
     tail.current_step = int(state.current_step)
     tail.data_position.extend(int(p) for p in state.data_position)
@@ -97,6 +105,8 @@ def read_binary(path):
     except (_Truncated, DecodeError):
         raise SolverError("cannot decode as a binary SolverState (truncated or not a "
                           "solverstate)", path=path) from None
+    if msg.HasField("history_count"):
+        _check_complete(path, msg.history_count, len(history), msg.HasField("rng_state"))
     return SolverStateData(
         iter=msg.iter,
         learned_net=msg.learned_net if msg.HasField("learned_net") else None,
@@ -104,6 +114,16 @@ def read_binary(path):
         history=history,
         data_position=list(msg.data_position),
         rng_state=msg.rng_state if msg.HasField("rng_state") else None)
+
+
+def _check_complete(path, expected, found, has_resume_record):
+    """A caffepar state says how many history blobs it holds and ends with its resume record:
+    a file with fewer, or without that record, was cut short."""
+    if found != expected or not has_resume_record:
+        what = f"{found} of its {expected} history blobs" if found != expected else \
+            "its history but not its resume record"
+        raise SolverError(f"truncated solver state: it holds {what} (cut short while being "
+                          "written or copied?)", path=path)
 
 
 # ------------------------------------------------------------------------------- HDF5
@@ -146,6 +166,7 @@ def write_hdf5(path, state):
             if state.data_position:
                 f.create_dataset("data_position", data=np.asarray(state.data_position, np.int64))
             if state.rng_state is not None:
+                f.create_dataset("history_count", data=np.array([len(state.history)], np.int32))
                 _write_h5_string(f, "rng_state", state.rng_state.decode("utf-8"))
 
     atomic_write(path, write, binary=False)
@@ -173,6 +194,9 @@ def read_hdf5(path):
                 out.data_position = [int(v) for v in np.asarray(f["data_position"]).reshape(-1)]
             if "rng_state" in f:
                 out.rng_state = _read_h5_string(f["rng_state"]).encode("utf-8")
+            if "history_count" in f:
+                _check_complete(path, int(np.asarray(f["history_count"]).reshape(-1)[0]),
+                                len(out.history), out.rng_state is not None)
             return out
     except OSError as e:
         raise SolverError(f"cannot read HDF5 solver state: {e}", path=path) from None
@@ -201,3 +225,90 @@ def find_learned_net(learned_net, state_path):
         if os.path.exists(candidate):
             return candidate
     raise MissingFileError(learned_net, f"weights file named by solver state {state_path}")
+
+
+# ------------------------------------------------------------------------------- one run per prefix
+class PrefixLock:
+    """`<snapshot_prefix>.lock`, held (flock) while a run writes snapshots with that prefix, so
+    a second run on the same prefix is refused instead of mixing its snapshots with the first
+    one's. The kernel drops the lock when its process ends, even on kill -9: a lock file left
+    behind never blocks anyone."""
+
+    def __init__(self, prefix):
+        self.prefix = os.fspath(prefix)
+        self.path = self.prefix + ".lock"
+        self.fd = None
+
+    def acquire(self):
+        """Take the lock, or raise SolverError naming the run that holds it. Returns False (and
+        locks nothing) where the folder is missing or the file system has no locks."""
+        import fcntl
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            except (FileNotFoundError, PermissionError):
+                return False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 400).decode("utf-8", "replace").strip() or "another run"
+                os.close(fd)
+                raise SolverError(f"{holder} is writing snapshots with the prefix "
+                                  f"{self.prefix}", path=self.path,
+                                  hint="wait for it to end, or give this run another "
+                                       "snapshot_prefix") from None
+            except OSError:
+                os.close(fd)
+                return False
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:    # else the previous holder removed the file as we opened it: retry
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, (f"caffepar run {os.getpid()} on {socket.gethostname()} "
+                      f"(since {time.strftime('%Y-%m-%d %H:%M:%S')})\n").encode("utf-8"))
+        self.fd = fd
+        return True
+
+    def release(self):
+        if self.fd is None:
+            return
+        try:
+            if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+_LEGACY_TEMP = re.compile(r"\.tmp_[A-Za-z0-9_]{8}(?P<name>.+)")
+
+
+def stale_temp_files(prefix):
+    """Temp files that writes of this prefix's snapshots and CSV left behind when their process
+    was killed (only call with the prefix's lock held: then no writer is running)."""
+    folder, stem = os.path.split(os.path.abspath(prefix))
+    snapshot = temp_name_pattern(f"{stem}_iter_")
+    csv = temp_name_pattern(f"{stem}_log.csv")
+    found = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    for name in names:
+        legacy = _LEGACY_TEMP.fullmatch(name)
+        if snapshot.fullmatch(name) or csv.fullmatch(name) or name == f"{stem}_log.csv.tmp" \
+                or legacy and legacy.group("name").startswith(f"{stem}_iter_"):
+            found.append(os.path.join(folder, name))
+    return sorted(found)

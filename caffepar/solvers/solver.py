@@ -56,6 +56,30 @@ def upgrade_solver_param(param, source=None):
     return param
 
 
+def resolve_prefix(prefix, base_dir):
+    """A snapshot prefix whose folder is missing here but present beside the solver file
+    (in `base_dir`) is taken from there."""
+    folder = os.path.dirname(prefix)
+    if not folder or os.path.isabs(prefix) or os.path.isdir(folder) or not base_dir:
+        return prefix
+    alt = os.path.join(base_dir, prefix)
+    return alt if os.path.isdir(os.path.dirname(alt)) else prefix
+
+
+def _data_states(net):
+    """{layer name: get_state()} of the net's data layers (those that can be put back)."""
+    return {layer.name: layer.get_state() for layer in net.layers
+            if callable(getattr(layer, "get_state", None))
+            and callable(getattr(layer, "set_state", None))}
+
+
+def _set_data_states(net, states):
+    for name, state in states.items():
+        layer = net.layer_dict.get(name)
+        if layer is not None and callable(getattr(layer, "set_state", None)):
+            layer.set_state(state)
+
+
 def load_solver_param(path):
     """A solver prototxt read and upgraded as Caffe reads it."""
     return upgrade_solver_param(read_solver_text(path), source=path)
@@ -114,10 +138,7 @@ class Solver:
             common.set_random_seed(p.random_seed)
         self.net = self._init_train_net()
         self.test_nets = self._init_test_nets()
-        self._initial_data_states = {
-            layer.name: layer.get_state() for layer in self.net.layers
-            if callable(getattr(layer, "get_state", None))
-            and callable(getattr(layer, "set_state", None))}
+        self._initial_data_states = [_data_states(net) for net in [self.net] + self.test_nets]
         log.info("Solver scaffolding done.")
         self.iter = 0
         self.current_step = 0
@@ -131,6 +152,7 @@ class Solver:
         self._losses = []
         self._row = None
         self.last_lr = None
+        self.last_snapshot_iter = None
         self._wait_seen = {}
         self._iterations_last = 0
 
@@ -141,7 +163,7 @@ class Solver:
 
     @property
     def snapshot_prefix(self):
-        return self._resolve_out(self.param.snapshot_prefix)
+        return resolve_prefix(self.param.snapshot_prefix, self.base_dir)
 
     @property
     def lr(self):
@@ -156,15 +178,6 @@ class Solver:
             return path
         alt = os.path.join(self.base_dir, path)
         return alt if os.path.exists(alt) else path
-
-    def _resolve_out(self, prefix):
-        """A snapshot prefix whose folder is missing here but present beside the solver file
-        is taken from there."""
-        folder = os.path.dirname(prefix)
-        if not folder or os.path.isabs(prefix) or os.path.isdir(folder) or not self.base_dir:
-            return prefix
-        alt = os.path.join(self.base_dir, prefix)
-        return alt if os.path.isdir(os.path.dirname(alt)) else prefix
 
     def _check_snapshot_prefix(self):
         p = self.param
@@ -585,7 +598,9 @@ class Solver:
                 save_caffemodel(self.net, model, write_diff=p.snapshot_diff, blob_arrays=arrays)
         else:
             raise SolverError("Unsupported snapshot format.")
-        return model, self.snapshot_solver_state(model)
+        state = self.snapshot_solver_state(model)
+        self.last_snapshot_iter = self.iter
+        return model, state
 
     # Hooks a model-parallel run overrides: whole-size arrays for files, this rank's part back.
     writes_files = True
@@ -606,18 +621,18 @@ class Solver:
         return values.reshape(target.shape)
 
     def _resume_record(self):
-        data, positions = {}, []
-        for layer in self.net.layers:
-            get_state = getattr(layer, "get_state", None)
-            if callable(get_state):
-                state = get_state()
-                data[layer.name] = state
-                if isinstance(state, dict):
-                    pos = state.get("position", state.get("batch"))
-                    if isinstance(pos, int):
-                        positions.append(pos)
+        """Our resume record (the RNG, and where every data layer of the train and test nets
+        reads next) and the train net's data positions."""
+        data = _data_states(self.net)
+        positions = []
+        for state in data.values():
+            if isinstance(state, dict):
+                pos = state.get("position", state.get("batch"))
+                if isinstance(pos, int):
+                    positions.append(pos)
         rng_state = common.rng().bit_generator.state
-        return _snap.encode_resume_state(rng_state, data), positions
+        tests = [_data_states(net) for net in self.test_nets]
+        return _snap.encode_resume_state(rng_state, data, tests), positions
 
     def snapshot_solver_state(self, model_filename):
         record, positions = self._resume_record()
@@ -656,7 +671,9 @@ class Solver:
             raise
         self.iter = state.iter
         if state.learned_net:
-            self.net.copy_from(_snap.find_learned_net(state.learned_net, path))
+            # A snapshot's weights hold every layer of the net that wrote them.
+            self.net.copy_from(_snap.find_learned_net(state.learned_net, path),
+                               allow_missing=False)
         self.current_step = state.current_step
         log.info("SGDSolver: restoring history")
         for part, target in zip(parts, self.history):
@@ -666,13 +683,11 @@ class Solver:
             rng_state = record.get("rng")
             if rng_state is not None:
                 common.rng().bit_generator.state = rng_state
-            data_states = record.get("data") or {}
+            data_states = [record.get("data") or {}] + list(record.get("test") or [])
         else:
             data_states = self._initial_data_states
-        for name, layer_state in data_states.items():
-            layer = self.net.layer_dict.get(name)
-            if layer is not None and callable(getattr(layer, "set_state", None)):
-                layer.set_state(layer_state)
+        for net, states in zip([self.net] + self.test_nets, data_states):
+            _set_data_states(net, states)
         for net in self.test_nets:
             net.share_with(self.net)
         return state

@@ -1,0 +1,56 @@
+"""A pass-through Python layer that injects faults into one rank of a job (tests/test_jobs.py).
+
+param_str is JSON: {"sleep": seconds per forward, "pids": folder, "rank": r, "at": forward
+number, "do": "hang" | "exit0" | "sys.exit" | "memory" | "slow"}. With "pids", every rank writes
+`rank<r>.pid` ("pid parent-pid") there at setup, so a test can kill a rank or its process manager.
+"""
+import json
+import os
+import sys
+import time
+
+import caffe
+
+
+def this_rank():
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+class Fault(caffe.Layer):
+    def setup(self, bottom, top):
+        self.conf = json.loads(self.param_str or "{}")
+        self.rank = this_rank()
+        self.calls = 0
+        folder = self.conf.get("pids")
+        if folder:
+            tmp = os.path.join(folder, f".rank{self.rank}.pid")
+            with open(tmp, "w") as f:
+                f.write(f"{os.getpid()} {os.getppid()}\n")
+            os.replace(tmp, os.path.join(folder, f"rank{self.rank}.pid"))
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].data.shape)
+
+    def forward(self, bottom, top):
+        self.calls += 1
+        time.sleep(self.conf.get("sleep", 0))
+        if self.rank == self.conf.get("rank") and self.calls == self.conf.get("at"):
+            what = self.conf["do"]
+            if what == "hang":
+                time.sleep(3600)
+            elif what == "slow":
+                time.sleep(self.conf.get("seconds", 1))
+            elif what == "exit0":
+                os._exit(0)
+            elif what == "sys.exit":
+                sys.exit(0)
+            elif what == "memory":
+                raise MemoryError()
+        top[0].data[...] = bottom[0].data
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            bottom[0].diff[...] = top[0].diff

@@ -1,0 +1,339 @@
+"""Parallel jobs end cleanly: signals to the `--np` launcher (or its whole process group) mean
+what they mean to one process, with the same exit status; killing the launcher, a rank or the
+process manager, a hung rank (the watchdog) and a rank that exits on its own end every process
+of the job, each reported once as one line naming the rank."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from caffepar.parallel.launch import find_mpiexec, process_alive
+
+HERE = Path(__file__).resolve().parent
+pytestmark = [pytest.mark.skipif(find_mpiexec() is None, reason="no mpiexec installed"),
+              pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                 reason="finds a job's processes through /proc")]
+
+NET = """
+name: "tiny"
+layer { name: "data" type: "HDF5Data" top: "data" top: "label" include { phase: TRAIN }
+        hdf5_data_param { source: "train_list.txt" batch_size: 8 } }
+layer { name: "data" type: "HDF5Data" top: "data" top: "label" include { phase: TEST }
+        hdf5_data_param { source: "train_list.txt" batch_size: 16 } }
+layer { name: "fault" type: "Python" bottom: "data" top: "x"
+        python_param { module: "faults" layer: "Fault" param_str: 'FAULT' } }
+layer { name: "ip1" type: "InnerProduct" bottom: "x" top: "ip1"
+        inner_product_param { num_output: 16 weight_filler { type: "xavier" } } }
+layer { name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+        inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
+"""
+
+SOLVER = """
+net: "net.prototxt"
+test_iter: 2
+test_interval: 50
+base_lr: 0.05
+lr_policy: "fixed"
+display: 10
+max_iter: {max_iter}
+snapshot_prefix: "snap/tiny"
+random_seed: 3
+"""
+
+
+def workdir(folder, fault=None, max_iter=100000, sleep=0.01):
+    """A net whose every forward waits `sleep` s (a run a signal catches mid-way without
+    burning the machine's cores) and does `fault` on one rank."""
+    rng = np.random.RandomState(0)
+    with h5py.File(folder / "train.h5", "w") as f:
+        f["data"] = rng.randn(72, 10).astype(np.float32)
+        f["label"] = rng.randint(0, 3, 72).astype(np.float32)
+    (folder / "train_list.txt").write_text("train.h5\n")
+    conf = dict(fault or {}, sleep=sleep, pids=str(folder / "pids"))
+    (folder / "pids").mkdir(exist_ok=True)
+    (folder / "net.prototxt").write_text(NET.replace("FAULT", json.dumps(conf)))
+    (folder / "solver.prototxt").write_text(SOLVER.format(max_iter=max_iter))
+    (folder / "snap").mkdir(exist_ok=True)
+    return folder
+
+
+class Run:
+    """`caffepar train` in its own process group, its merged output collected as it comes."""
+
+    def __init__(self, folder, ranks=2, args=()):
+        env = dict(os.environ, PYTHONPATH=str(HERE / "mpi"), OPENBLAS_NUM_THREADS="1",
+                   OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "caffepar.cli", "train", "--solver", "solver.prototxt"]
+        cmd += (["--np", str(ranks)] if ranks > 1 else []) + [str(a) for a in args]
+        self.folder, self.ranks = folder, ranks
+        self.proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.lines = []
+        self.changed = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.seen = set()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+
+    @property
+    def output(self):
+        with self.changed:
+            return "".join(self.lines)
+
+    def wait_for(self, text, count=1, timeout=60):
+        """Until `count` lines contain `text`."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while sum(text in line for line in self.lines) < count:
+                left = deadline - time.monotonic()
+                assert left > 0 and self.proc.poll() is None or \
+                    sum(text in line for line in self.lines) >= count, \
+                    f"no {count} line(s) with {text!r}:\n{''.join(self.lines)[-3000:]}"
+                self.changed.wait(min(left, 0.5))
+
+    def processes(self):
+        """The launcher's processes (mpiexec, proxies, ranks), remembered for cleaning up."""
+        found = descendants(self.proc.pid)
+        self.seen.update(found)
+        return found
+
+    def rank_pids(self, timeout=60):
+        """{rank: (pid, parent pid)} written by the fault layer."""
+        deadline = time.monotonic() + timeout
+        while True:
+            files = {int(p.stem[4:]): p for p in (self.folder / "pids").glob("rank*.pid")}
+            if len(files) == self.ranks:
+                pids = {r: tuple(map(int, p.read_text().split())) for r, p in files.items()}
+                self.seen.update(pid for pid, _ in pids.values())
+                return pids
+            assert time.monotonic() < deadline, "the ranks did not start:\n" + self.output
+            time.sleep(0.1)
+
+    def finish(self, timeout):
+        """The exit status, waiting at most `timeout` s (then the run is killed and fails)."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"still running after {timeout} s:\n{self.output[-3000:]}")
+        self.reader.join(timeout)
+        return code
+
+    def kill(self):
+        for pid in [self.proc.pid] + sorted(self.seen):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+
+def descendants(pid):
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def wait_until(fn, timeout):
+    """fn()'s first true value within `timeout` s (else its last, false, one)."""
+    deadline = time.monotonic() + timeout
+    while not (value := fn()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
+def all_ended(pids, timeout):
+    deadline = time.monotonic() + timeout
+    while any(process_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return [p for p in pids if process_alive(p)]
+        time.sleep(0.1)
+    return []
+
+
+@pytest.fixture
+def run(tmp_path):
+    """Start runs with run(folder, ...); whatever they leave behind is killed afterwards."""
+    started = []
+
+    def start(*args, **kwargs):
+        started.append(Run(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for r in started:
+        if r.proc.poll() is None or any(process_alive(p) for p in r.seen):
+            r.kill()
+
+
+def snapshots(folder):
+    return sorted(int(p.name.split("_iter_")[1].split(".")[0])
+                  for p in (folder / "snap").glob("tiny_iter_*.solverstate"))
+
+
+def error_lines(output):
+    """The lines a user reads as the job's verdict (log lines and hydra's banners aside)."""
+    return [line for line in output.splitlines() if "caffepar:" in line or line == "aborted"]
+
+
+# ------------------------------------------------------------------------ signals
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("how", ["launcher", "group"])
+def test_sigint_twice_snapshots_and_stops_as_one_process(tmp_path, run, ranks, how):
+    """Ctrl-C (to the launcher, or to its whole process group as a terminal sends it), twice:
+    one snapshot, "stopped early", exit status 0, as one process."""
+    job = run(workdir(tmp_path), ranks)
+    job.wait_for("Iteration 20,")
+    send = (lambda s: os.killpg(job.proc.pid, s)) if how == "group" else job.proc.send_signal
+    send(signal.SIGINT)
+    job.wait_for("Signal SIGINT received")
+    send(signal.SIGINT)
+    assert job.finish(60) == 0, job.output
+    assert "Optimization stopped early." in job.output
+    assert len(snapshots(tmp_path)) == 1
+    assert error_lines(job.output) == []
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sighup_snapshots_and_goes_on_as_one_process(tmp_path, run, ranks):
+    job = run(workdir(tmp_path), ranks)
+    job.wait_for("Iteration 20,")
+    job.proc.send_signal(signal.SIGHUP)
+    job.wait_for("Signal SIGHUP received: snapshot")
+    first = wait_until(lambda: snapshots(tmp_path), 30)
+    assert len(first) == 1
+    job.wait_for(f"Iteration {first[0] + 20 - first[0] % 10},")    # still training
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.finish(60) == 0, job.output
+    assert len(snapshots(tmp_path)) == 2
+
+
+def test_sigterm_to_launcher_ends_every_process_with_a_snapshot(tmp_path, run):
+    job = run(workdir(tmp_path))
+    job.wait_for("Iteration 20,")
+    processes = job.processes()
+    assert len(processes) >= 3      # mpiexec, its proxy, two ranks
+    t0 = time.monotonic()
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.finish(10) == 0, job.output
+    assert all_ended(processes, 10 - (time.monotonic() - t0)) == []
+    assert len(snapshots(tmp_path)) == 1 and "Optimization stopped early." in job.output
+
+
+def test_sigkill_to_launcher_leaves_nothing_running(tmp_path, run):
+    """The launcher cannot act on SIGKILL: mpiexec gets SIGTERM from the kernel and the ranks
+    snapshot and stop."""
+    job = run(workdir(tmp_path))
+    job.wait_for("Iteration 20,")
+    processes = job.processes()
+    job.proc.kill()
+    assert all_ended(processes, 20) == []
+    assert len(snapshots(tmp_path)) == 1
+
+
+# ------------------------------------------------------------------------ failures
+def test_killed_rank_ends_the_job_naming_it(tmp_path, run):
+    job = run(workdir(tmp_path))
+    pids = job.rank_pids()
+    job.wait_for("Iteration 20,")
+    processes = job.processes()
+    t0 = time.monotonic()
+    os.kill(pids[1][0], signal.SIGKILL)
+    assert job.finish(30) == 1
+    assert time.monotonic() - t0 < 30
+    assert all_ended(processes, 10) == []
+    lines = error_lines(job.output)
+    assert len(lines) == 1 and lines[0].startswith("[rank 1] caffepar: ended before the job "
+                                                   "finished"), job.output
+
+
+def test_killed_process_manager_ends_the_job(tmp_path, run):
+    job = run(workdir(tmp_path))
+    pids = job.rank_pids()
+    job.wait_for("Iteration 20,")
+    processes = job.processes()
+    os.kill(pids[1][1], signal.SIGKILL)     # the proxy that started the ranks
+    assert job.finish(30) != 0
+    assert all_ended(processes, 10) == []
+    assert len(error_lines(job.output)) == 1, job.output
+
+
+def test_hung_rank_ends_within_the_watchdog_time(tmp_path, run):
+    job = run(workdir(tmp_path, {"rank": 1, "at": 25, "do": "hang"}), args=["--watchdog", 3])
+    job.wait_for("Iteration 20,")
+    processes = job.processes()
+    t0 = time.monotonic()
+    assert job.finish(60) == 1
+    assert time.monotonic() - t0 < 3 + 30
+    assert all_ended(processes, 10) == []
+    lines = error_lines(job.output)
+    assert len(lines) == 1, job.output
+    assert re.match(r"\[rank 1\] caffepar: did not reach \w+ .*within the watchdog's 3 s",
+                    lines[0]), lines[0]
+
+
+def test_watchdog_leaves_a_slow_rank_alone(tmp_path, run):
+    job = run(workdir(tmp_path, {"rank": 1, "at": 5, "do": "slow", "seconds": 2}, max_iter=12),
+              args=["--watchdog", 4])
+    assert job.finish(60) == 0, job.output
+    assert snapshots(tmp_path) == [12]
+
+
+@pytest.mark.parametrize("fault, expected", [
+    ("memory", r"\[rank 1\] caffepar: error: out of memory$"),
+    ("sys.exit", r"\[rank 1\] caffepar: exited \(status 0\) before the job finished$"),
+    ("exit0", r"\[rank 1\] caffepar: ended before the job finished, without an error message"),
+])
+def test_rank_failure_is_one_line_naming_the_rank(tmp_path, run, fault, expected):
+    job = run(workdir(tmp_path, {"rank": 1, "at": 3, "do": fault}))
+    job.rank_pids()
+    processes = job.processes()
+    assert job.finish(60) == 1
+    assert all_ended(processes, 10) == []
+    lines = error_lines(job.output)
+    assert len(lines) == 1 and re.match(expected, lines[0]), job.output
+    assert "Traceback" not in job.output
+
+
+# ------------------------------------------------------------------------ one prefix, one run
+def test_second_run_on_a_prefix_is_refused(tmp_path, run):
+    first = run(workdir(tmp_path), ranks=1)
+    first.wait_for("Iteration 20,")
+    second = run(tmp_path, ranks=1)
+    assert second.finish(60) == 1
+    lines = error_lines(second.output)
+    assert len(lines) == 1 and "snap/tiny.lock: error: caffepar run " in lines[0], lines
+    assert f"run {first.proc.pid} " in lines[0] and "wait for it to end" in lines[0]
+    assert first.proc.poll() is None
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.finish(60) == 0
+    assert not (tmp_path / "snap/tiny.lock").exists()
