@@ -1,11 +1,12 @@
-"""Convolution math against naive references and adjoint identities."""
+"""The convolution engines against naive references and adjoint identities."""
 
 import itertools
 
 import numpy as np
 import pytest
 
-from caffepar.nn import conv_math as cm
+from caffepar.nn import conv as cm
+from caffepar.nn.conv import band, cols, geometry, grid, winograd
 
 
 # ---------------------------------------------------------------- references
@@ -233,11 +234,11 @@ def test_need_flags():
 @pytest.mark.parametrize("direct", [1, 1 << 30])
 def test_small_workspace_and_blocks(cs, direct, monkeypatch):
     """Chunking over images, rows and grid columns must not change results."""
-    monkeypatch.setattr(cm, "WORKSPACE_BYTES", 1)
-    monkeypatch.setattr(cm, "BLOCK_BYTES", 1)
-    monkeypatch.setattr(cm, "BLOCK_MIN_COLS", 7)
-    monkeypatch.setattr(cm, "COLS_BYTES", 1 if direct == 1 else 1 << 30)
-    monkeypatch.setattr(cm, "COLS_DIRECT_MIN", direct)
+    monkeypatch.setattr(geometry, "WORKSPACE_BYTES", 1)
+    monkeypatch.setattr(grid, "BLOCK_BYTES", 1)
+    monkeypatch.setattr(grid, "BLOCK_MIN_COLS", 7)
+    monkeypatch.setattr(cols, "COLS_BYTES", 1 if direct == 1 else 1 << 30)
+    monkeypatch.setattr(cols, "COLS_DIRECT_MIN", direct)
     x, w, b, dy = make(cs)
     args = cs[5:]
     close(cm.conv_forward(x, w, b, *args), ref_conv(x, w, b, *args), 1e-10)
@@ -252,13 +253,13 @@ def test_im2col_row_blocks_over_image_batches(cs, workers, monkeypatch):
     thread or split over two."""
     cs = (2 * workers,) + cs[1:]
     n, c, sp, o, k, stride, pad, dil, group = cs
-    g = cm._Geom(sp, k, stride, pad, dil)
+    g = geometry.Geom(sp, k, stride, pad, dil)
     rest = int(np.prod(g.out[1:]))
-    monkeypatch.setattr(cm, "blas_threads", lambda: workers)
-    monkeypatch.setattr(cm, "COLS_BYTES",
+    monkeypatch.setattr(cols, "blas_threads", lambda: workers)
+    monkeypatch.setattr(cols, "COLS_BYTES",
                         2 * rest * (g.ntaps * c // group + 1) * group * 8 * workers)
-    monkeypatch.setattr(cm, "COLS_SHORT_ROW", 1 << 30)
-    plan = cm._ColsPlan(g, n, c, o, group, 8, workers)
+    monkeypatch.setattr(cols, "COLS_SHORT_ROW", 1 << 30)
+    plan = cols._ColsPlan(g, n, c, o, group, 8, workers)
     assert plan.nb == 2 and plan.rows < g.out[0] and plan.batch_last
     assert len(plan.chunks(n)) == workers
     x, w, b, dy = make(cs)
@@ -280,11 +281,11 @@ DECONV_CASES = [
 
 @pytest.mark.parametrize("cs", DECONV_CASES, ids=ids)
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-4)])
-@pytest.mark.parametrize("winograd", [False, True])
-def test_deconv(cs, dtype, tol, winograd, monkeypatch):
-    if winograd:
-        monkeypatch.setattr(cm, "WINOGRAD_MIN_CHANNELS", 1)
-        monkeypatch.setattr(cm, "WINOGRAD_MAX_WASTE", 1.0)
+@pytest.mark.parametrize("wide_winograd", [False, True])
+def test_deconv(cs, dtype, tol, wide_winograd, monkeypatch):
+    if wide_winograd:
+        monkeypatch.setattr(winograd, "WINOGRAD_MIN_CHANNELS", 1)
+        monkeypatch.setattr(winograd, "WINOGRAD_MAX_WASTE", 1.0)
     n, cin, sp, cout, k, stride, pad, dil, group = cs
     rng = np.random.default_rng(3)
     x = rng.standard_normal((n, cin) + sp)
@@ -370,20 +371,20 @@ BAND_CASES = [
 def test_band_folds_and_blocks(cs, fold_all, blocks, workers, monkeypatch):
     """Full and per-column-tap folding, image batches and row bands with halo, the blocks run
     on one thread or split over three."""
-    monkeypatch.setattr(cm, "BAND_FOLD_ALL", 1 << 30 if fold_all else 1)
-    monkeypatch.setattr(cm, "FLIP_MIN_CHANNELS", 1)
-    monkeypatch.setattr(cm, "blas_threads", lambda: workers)
+    monkeypatch.setattr(band, "BAND_FOLD_ALL", 1 << 30 if fold_all else 1)
+    monkeypatch.setattr(cols, "FLIP_MIN_CHANNELS", 1)
+    monkeypatch.setattr(band, "blas_threads", lambda: workers)
     x, w, b, dy = make(cs)
     n = x.shape[0]
     args = cs[5:]
-    g = cm._Geom(x.shape[2:], w.shape[2:], *args[:3])
-    assert cm._use_band(g, args[3]) and cm._use_cols(g, w.shape[1], w.shape[0], args[3])
-    plan = cm._BandPlan(g, n, x.shape[1], 8)
+    g = geometry.Geom(x.shape[2:], w.shape[2:], *args[:3])
+    assert band.usable(g, args[3]) and cols.usable(g, w.shape[1], w.shape[0], args[3])
+    plan = band._BandPlan(g, n, x.shape[1], 8)
     row = (plan.k + (plan.depth if fold_all else 0)) * plan.wo * 8
     budget = {"one row": 1, "row bands": (2 + plan.halo) * row,
               "image batches": 2 * (g.out[0] + plan.halo) * row, "whole": 1 << 30}[blocks]
-    monkeypatch.setattr(cm, "BAND_BYTES", budget * workers)
-    plan = cm._BandPlan(g, n, x.shape[1], 8, workers)
+    monkeypatch.setattr(band, "BAND_BYTES", budget * workers)
+    plan = band._BandPlan(g, n, x.shape[1], 8, workers)
     assert plan.fold_all == fold_all
     nb, rows = {"one row": (1, 1), "row bands": (1, 2), "image batches": (2, g.out[0]),
                 "whole": (n, g.out[0])}[blocks]
@@ -401,12 +402,12 @@ def test_band_folds_and_blocks(cs, fold_all, blocks, workers, monkeypatch):
 def test_many_threads_keep_blocks_large():
     """On many cores the buffer bounds are split in at most MAX_SHARES shares, so blocks stay
     as large as with MAX_SHARES threads instead of shrinking to slivers."""
-    g = cm._Geom((32, 32), (5, 5), (1, 1), (2, 2), (1, 1))
-    shares = cm.MAX_SHARES
-    assert (cm._BandPlan(g, 100, 3, 4, 64).nb, cm._BandPlan(g, 100, 3, 4, 64).rows) == \
-        (cm._BandPlan(g, 100, 3, 4, shares).nb, 32)
-    g = cm._Geom((56, 56), (3, 3), (1, 1), (1, 1), (1, 1))
-    assert cm._ColsPlan(g, 64, 3, 16, 1, 4, 64).nb == cm._ColsPlan(g, 64, 3, 16, 1, 4, shares).nb
+    g = geometry.Geom((32, 32), (5, 5), (1, 1), (2, 2), (1, 1))
+    shares = geometry.MAX_SHARES
+    assert (band._BandPlan(g, 100, 3, 4, 64).nb, band._BandPlan(g, 100, 3, 4, 64).rows) == \
+        (band._BandPlan(g, 100, 3, 4, shares).nb, 32)
+    g = geometry.Geom((56, 56), (3, 3), (1, 1), (1, 1), (1, 1))
+    assert cols._ColsPlan(g, 64, 3, 16, 1, 4, 64).nb == cols._ColsPlan(g, 64, 3, 16, 1, 4, shares).nb
 
 
 @pytest.mark.parametrize("cs", [CASES[i] for i in (1, 4, 15, 19, 29)], ids=ids)
@@ -471,14 +472,14 @@ WINOGRAD_CASES = [
 def test_winograd(cs, chunked, monkeypatch):
     """F(2x2, 3x3) tiles, odd output sizes (a half-empty last tile), pads 0..2 per axis, groups,
     and one image per workspace chunk: equal to the direct convolution."""
-    monkeypatch.setattr(cm, "WINOGRAD_MIN_CHANNELS", 1)
-    monkeypatch.setattr(cm, "WINOGRAD_MAX_WASTE", 1.0)
+    monkeypatch.setattr(winograd, "WINOGRAD_MIN_CHANNELS", 1)
+    monkeypatch.setattr(winograd, "WINOGRAD_MAX_WASTE", 1.0)
     if chunked:
-        monkeypatch.setattr(cm, "WORKSPACE_BYTES", 1)
+        monkeypatch.setattr(geometry, "WORKSPACE_BYTES", 1)
     x, w, b, dy = make(cs)
     args = cs[5:]
-    g = cm._Geom(x.shape[2:], w.shape[2:], *args[:3])
-    assert cm._use_winograd(g, w.shape[1], w.shape[0] // args[3])
+    g = geometry.Geom(x.shape[2:], w.shape[2:], *args[:3])
+    assert winograd.usable(g, w.shape[1], w.shape[0] // args[3])
     close(cm.conv_forward(x, w, b, *args), ref_conv(x, w, b, *args), 1e-12)
     for got, want in zip(cm.conv_backward(dy, x, w, *args), ref_conv_grads(dy, x, w, *args)):
         close(got, want, 1e-12)
@@ -491,8 +492,8 @@ def test_winograd(cs, chunked, monkeypatch):
 
 def test_winograd_only_for_wide_3x3_stride_1():
     def use(sp, k, stride, pad, dil, cg, og):
-        return cm._use_winograd(cm._Geom(sp, k, stride, pad, dil), cg, og)
-    wide = cm.WINOGRAD_MIN_CHANNELS
+        return winograd.usable(geometry.Geom(sp, k, stride, pad, dil), cg, og)
+    wide = winograd.WINOGRAD_MIN_CHANNELS
     assert use((28, 28), 3, 1, 1, 1, wide, wide)
     assert not use((28, 28), 3, 1, 1, 1, wide - 1, wide)
     assert not use((28, 28), 3, 2, 1, 1, wide, wide)
