@@ -15,3 +15,30 @@ def need_shared(path=SHARED):
     if not Path(path).exists():
         pytest.skip(f"reference data not available ({path.name} missing beside the repository)")
     return Path(path)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--kernels", choices=("both", "native", "numpy"), default="both",
+                     help="which kernel path the kernel_paths tests run on (default: both)")
+
+
+def pytest_generate_tests(metafunc):
+    """Tests marked kernel_paths run on the compiled kernels and on the NumPy code."""
+    if metafunc.definition.get_closest_marker("kernel_paths"):
+        chosen = metafunc.config.getoption("--kernels")
+        paths = ["native", "numpy"] if chosen == "both" else [chosen]
+        metafunc.fixturenames.append("kernel_path")
+        metafunc.parametrize("kernel_path", paths, indirect=True)
+
+
+@pytest.fixture
+def kernel_path(request):
+    from caffepar.nn import native
+    if request.param == "native":
+        try:
+            with native.use("native"):
+                native.kernels("float32")
+        except native.KernelBuildError as e:
+            pytest.skip(f"compiled kernels unavailable: {e}")
+    with native.use(request.param):
+        yield request.param

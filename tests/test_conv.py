@@ -8,6 +8,8 @@ import pytest
 from caffepar.nn import conv as cm
 from caffepar.nn.conv import band, cols, geometry, grid, winograd
 
+pytestmark = pytest.mark.kernel_paths
+
 
 # ---------------------------------------------------------------- references
 

@@ -5,6 +5,8 @@ import pytest
 
 from gradcheck import check_net_gradients
 
+pytestmark = pytest.mark.kernel_paths
+
 RNG = np.random.default_rng(4)
 
 

@@ -1,0 +1,210 @@
+"""Compiled kernels for the work BLAS does not do: pooling, LRN, the elementwise layers, the
+convolution engines' copies and transforms, and the solver update.
+
+They are C (``*.c`` beside this file), compiled on first use by the machine's C compiler with
+``-O3 -march=native`` -- code for this CPU's own instruction set (AVX2, AVX-512, ...) -- into a
+per-user cache (``$CAFFEPAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/caffepar`` or
+``~/.cache/caffepar``). The library's name is a hash of the sources, the compiler and the CPU's
+feature flags, so an upgrade or another CPU sharing a home directory builds its own, and every
+later run (and every MPI rank) loads the built one; a lock makes concurrent first runs build
+once. Loaded through ctypes, which releases the GIL during a call, so ``blas.run_parts`` runs
+kernels on a block each side by side, as it does the GEMMs.
+
+``CAFFEPAR_KERNELS`` selects the path: ``auto`` (default: compiled, or the NumPy code with one
+warning when no compiler works), ``native`` (compiled or an error) or ``numpy``. Elementwise
+kernels (ReLU, Dropout, the solver update, LRN) compute exactly what the NumPy code computes,
+operation by operation (``-ffp-contract=off`` keeps the compiler from fusing multiply-adds);
+kernels that add several values into one (pooling backward, col2im) may add them in another
+order.
+"""
+import contextlib
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from caffepar.errors import CaffeparError
+
+log = logging.getLogger("caffepar")
+
+MODES = ("auto", "native", "numpy")
+SOURCES = Path(__file__).resolve().parent
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+         "-fPIC", "-shared", "-std=c11"]
+SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+
+# name: argument kinds, p = pointer, i = int64, d = double. Every kernel exists once per dtype
+# (name_f32, name_f64) and returns an int64.
+SIGNATURES = {
+    "max_pool_forward": "ppp" + "i" * 14,
+    "max_pool_backward": "ppp" + "i" * 14,
+    "ave_pool_forward": "pp" + "i" * 13,
+    "ave_pool_backward": "pp" + "i" * 13,
+    "solver_update": "ppppiiddidddd",
+}
+
+
+class KernelBuildError(CaffeparError):
+    """The compiled kernels were required (CAFFEPAR_KERNELS=native) but cannot be built."""
+
+
+def mode():
+    value = os.environ.get("CAFFEPAR_KERNELS", "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise CaffeparError(f"CAFFEPAR_KERNELS must be one of {', '.join(MODES)}, got {value!r}")
+    return value
+
+
+def cache_dir():
+    root = os.environ.get("CAFFEPAR_CACHE_DIR")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                            "caffepar")
+    return Path(root)
+
+
+def compiler():
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or "cc"
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _sources():
+    return sorted(p for p in SOURCES.iterdir() if p.suffix in (".c", ".h"))
+
+
+def library_path():
+    """Where this build of the kernels lives (whether built yet or not)."""
+    h = hashlib.sha256()
+    for p in _sources():
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    cc = compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = "none"
+    for part in (cc, version, " ".join(FLAGS), platform.machine(), _cpu_flags()):
+        h.update(part.encode() + b"\0")
+    return cache_dir() / f"kernels-{h.hexdigest()[:20]}.so"
+
+
+def build(path):
+    """Compile the sources into `path` (atomically); returns the seconds it took."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    main = SOURCES / "kernels.c"
+    start = time.perf_counter()
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        run = subprocess.run([compiler(), *FLAGS, "-o", tmp, str(main), "-lm"],
+                             capture_output=True, text=True, timeout=600)
+        if run.returncode:
+            lines = (run.stderr or run.stdout).strip().splitlines()
+            raise OSError(lines[0] if lines else f"{compiler()} exited {run.returncode}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return time.perf_counter() - start
+
+
+def _bind(lib):
+    funcs = {}
+    kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "d": ctypes.c_double}
+    for name, sig in SIGNATURES.items():
+        for suffix in SUFFIX.values():
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.restype = ctypes.c_int64
+            fn.argtypes = [kinds[k] for k in sig]
+            funcs[(name, suffix)] = fn
+    return funcs
+
+
+class Kernels:
+    """The kernels of one dtype: ``k.max_pool_forward(...)`` calls ``max_pool_forward_f32``."""
+
+    def __init__(self, funcs, suffix):
+        for (name, s), fn in funcs.items():
+            if s == suffix:
+                setattr(self, name, fn)
+
+
+_LOCK = threading.Lock()
+_loaded = {}        # mode -> {dtype: Kernels} or None
+build_seconds = None
+
+
+def _load():
+    """{dtype: Kernels}, building the library on first use; None when it cannot be built."""
+    global build_seconds
+    path = library_path()
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path.parent / ".build.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not path.exists():
+                    log.info("Compiling caffepar's kernels for this CPU into %s", path)
+                    build_seconds = build(path)
+                    log.info("Kernels compiled in %.1f s (once per CPU and version)",
+                             build_seconds)
+        funcs = _bind(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError, subprocess.SubprocessError) as e:
+        if mode() == "native":
+            raise KernelBuildError(f"cannot build the compiled kernels with {compiler()}: {e}",
+                                   hint="install a C compiler or set CAFFEPAR_KERNELS=numpy")
+        log.warning("Compiled kernels unavailable (%s); using the NumPy kernels", e)
+        return None
+    return {dt: Kernels(funcs, s) for dt, s in SUFFIX.items()}
+
+
+def kernels(dtype):
+    """The compiled kernels for arrays of `dtype`, or None: use the NumPy code."""
+    m = mode()
+    if m == "numpy":
+        return None
+    if m not in _loaded:
+        with _LOCK:
+            if m not in _loaded:
+                _loaded[m] = _load()
+    found = _loaded[m]
+    return None if found is None else found.get(np.dtype(dtype))
+
+
+@contextlib.contextmanager
+def use(path):
+    """Run a block on the given path ("native" or "numpy"), for tests and benchmarks."""
+    old = os.environ.get("CAFFEPAR_KERNELS")
+    os.environ["CAFFEPAR_KERNELS"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CAFFEPAR_KERNELS", None)
+        else:
+            os.environ["CAFFEPAR_KERNELS"] = old
+
+
+def ptr(a):
+    """An array's data address for a kernel argument."""
+    return a.ctypes.data

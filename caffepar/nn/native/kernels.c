@@ -1,0 +1,43 @@
+/* caffepar's compiled kernels: every *.inc file is compiled once per element type, T = float
+ * (names ending _f32) and T = double (_f64). Built by caffepar/nn/native/__init__.py. */
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef int64_t i64;
+
+#define FN_(name, suffix) name##_##suffix
+#define FN2(name, suffix) FN_(name, suffix)
+#define FN(name) FN2(name, SUFFIX)
+
+/* Explicit vectors of 64 bytes (VL elements; two instructions each on AVX2 hosts, one with
+ * AVX-512) where the compiler's own vectoriser falls short; TI is the integer of T's width, the
+ * type of a comparison's lanes. */
+#define VEC_TYPES                                                 \
+    enum { VL = 64 / sizeof(T) };                                 \
+    typedef T vec __attribute__((vector_size(64)));               \
+    typedef TI ivec __attribute__((vector_size(64)));
+
+#define T float
+#define TI int32_t
+#define SQRT sqrtf
+#define SUFFIX f32
+#include "pool.inc"
+#include "update.inc"
+#undef T
+#undef TI
+#undef SQRT
+#undef SUFFIX
+
+#define T double
+#define TI int64_t
+#define SQRT sqrt
+#define SUFFIX f64
+#include "pool.inc"
+#include "update.inc"
+#undef T
+#undef TI
+#undef SQRT
+#undef SUFFIX

@@ -1,0 +1,152 @@
+"""The compiled kernels: building and caching them, the switch, and each kernel against the NumPy
+code it replaces (bit for bit where they compute the same operations in the same order)."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from caffepar.nn import native, pooling
+from caffepar.solvers import rules
+from test_solvers import RULE_PARAMS, solver_param
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    try:
+        with native.use("native"):
+            native.kernels(np.float32)
+    except native.KernelBuildError as e:
+        pytest.skip(f"compiled kernels unavailable: {e}")
+
+
+def both(fn):
+    """fn() on the NumPy code and on the compiled kernels."""
+    out = {}
+    for path in ("numpy", "native"):
+        with native.use(path):
+            out[path] = fn()
+    return out["numpy"], out["native"]
+
+
+def same(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert np.array_equal(a, b, equal_nan=True), f"max difference {np.nanmax(abs(a - b))}"
+
+
+# ------------------------------------------------------------------ building
+
+def test_build_is_cached_and_keyed(tmp_path, monkeypatch):
+    """A fresh cache builds once; a second process loads the built library; another compiler
+    (or CPU, or source) gets another library name."""
+    monkeypatch.setenv("CAFFEPAR_CACHE_DIR", str(tmp_path))
+    code = ("import time, numpy as np; from caffepar.nn import native; t = time.perf_counter(); "
+            "k = native.kernels(np.float32); print(k is not None, native.build_seconds, "
+            "native.library_path())")
+    env = dict(__import__("os").environ, CAFFEPAR_KERNELS="native")
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if first.returncode and "cannot build" in first.stderr:
+        pytest.skip(first.stderr.strip().splitlines()[-1])
+    assert first.returncode == 0, first.stderr
+    loaded, seconds, path = first.stdout.split()
+    assert loaded == "True" and float(seconds) > 0 and path.startswith(str(tmp_path))
+    second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert second.stdout.split() == ["True", "None", path]
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"] == [path.split("/")[-1]]
+    monkeypatch.setenv("CC", "gcc -DOTHER")
+    assert str(native.library_path()) != path
+
+
+def test_switch_and_fallback(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CAFFEPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(native, "_loaded", {})
+    with native.use("numpy"):
+        assert native.kernels(np.float32) is None
+    with native.use("auto"):
+        assert native.kernels(np.float32) is None
+    assert "using the NumPy kernels" in caplog.text
+    with native.use("native"), pytest.raises(native.KernelBuildError, match="cannot build"):
+        native.kernels(np.float32)
+    with native.use("fast"), pytest.raises(native.CaffeparError, match="CAFFEPAR_KERNELS"):
+        native.kernels(np.float32)
+
+
+# ------------------------------------------------------------------ pooling
+
+POOLS = [  # n, c, h, w, kh, kw, ph, pw, sh, sw
+    (100, 32, 32, 32, 3, 3, 0, 0, 2, 2),         # cifar10_quick pool1
+    (2, 3, 7, 9, 3, 2, 1, 1, 2, 1),
+    (2, 3, 8, 8, 2, 2, 0, 0, 2, 2),
+    (1, 2, 5, 5, 3, 3, 1, 1, 1, 1),
+    (2, 2, 10, 11, 2, 3, 0, 1, 3, 4),            # stride > kernel: unread cells
+    (1, 3, 6, 6, 3, 3, 2, 2, 2, 2),              # windows starting in the padding
+    (1, 2, 13, 13, 13, 13, 0, 0, 1, 1),          # one window over the image
+    (1, 1, 4, 30, 1, 12, 0, 0, 1, 1),            # 12-wide windows
+]
+
+
+@pytest.mark.parametrize("shape", POOLS, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pooling_equals_numpy(shape, dtype, compiled):
+    n, c, h, w, kh, kw, ph, pw, sh, sw = shape
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, c, h, w)).astype(dtype)
+    x[0, 0, :2, :3] = -np.inf                       # windows with no winner (Caffe index -1)
+    x[0, -1, 1, 1] = np.nan
+    x.reshape(-1)[::7] = x.reshape(-1)[::7].round()  # ties
+    g = pooling.PoolGeometry(kh, kw, ph, pw, sh, sw)
+    g.reshape(h, w)
+    dy = rng.standard_normal((n, c, g.oh, g.ow)).astype(dtype)
+
+    def run():
+        y = np.empty((n, c, g.oh, g.ow), dtype)
+        arg = pooling.max_pool_forward(g, x, y)
+        dx = np.empty_like(x)
+        pooling.max_pool_backward(g, arg, dy, dx)
+        ya = np.empty_like(y)
+        pooling.ave_pool_forward(g, x, ya)
+        dxa = np.empty_like(x)
+        pooling.ave_pool_backward(g, dy, dxa)
+        return y, g.compact(arg, y.shape).copy(), dx, ya, dxa
+
+    for a, b in zip(*both(run)):
+        same(a, b)
+
+
+# ------------------------------------------------------------------ solver update
+
+@pytest.mark.parametrize("kind", list(RULE_PARAMS))
+@pytest.mark.parametrize("regularization,iter_size", [("L2", 1), ("L1", 3)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_solver_update_equals_numpy(kind, regularization, iter_size, dtype, compiled):
+    """normalize, regularize, the rule and data -= step, fused in one pass: every value the same
+    as the NumPy steps give."""
+    p = solver_param(**RULE_PARAMS[kind])
+    rule = rules.make_rule(kind, p)
+    f = np.dtype(dtype).type
+    rng = np.random.default_rng(1)
+    n = 1003
+    g0 = rng.standard_normal(n).astype(dtype)
+    w0 = rng.standard_normal(n).astype(dtype)
+    w0[:5] = [0, -0.0, np.nan, 1, -1]
+    h0 = [np.abs(rng.standard_normal(n)).astype(dtype) * f(0.1) for _ in range(2)]
+    rate, decay = f(0.01) * f(2), f(0.0005) * f(1)
+
+    g, w, hist = g0.copy(), w0.copy(), [h.copy() for h in h0[:rule.num_history]]
+    scratch = [np.empty(n, dtype) for _ in range(max(1, rule.num_scratch))]
+    rules.normalize(g, iter_size)
+    rules.regularize(g, w, decay, regularization, scratch[0])
+    rule.update(g, hist, rate, 4, scratch)
+    w -= g
+
+    k = native.kernels(dtype)
+    cg, cw, ch = g0.copy(), w0.copy(), [h.copy() for h in h0]
+    k.solver_update(*[native.ptr(a) for a in (cg, cw, ch[0], ch[1])], n, rule.code,
+                    1.0 / iter_size, float(decay), rules.regularization_code(regularization),
+                    *rule.kernel_args(rate, 4))
+    same(cg, g)
+    same(cw, w)
+    for a, b in zip(ch, hist):
+        same(a, b)
