@@ -51,6 +51,8 @@ SIGNATURES = {
     "ave_pool_forward": "pp" + "i" * 13,
     "ave_pool_backward": "pp" + "i" * 13,
     "solver_update": "ppppiiddidddd",
+    "lrn_forward": "ppppp" + "iiii" + "ddd",
+    "lrn_backward": "ppppppp" + "iiii" + "d",
 }
 
 
@@ -89,7 +91,7 @@ def _cpu_flags():
 
 
 def _sources():
-    return sorted(p for p in SOURCES.iterdir() if p.suffix in (".c", ".h"))
+    return sorted(p for p in SOURCES.iterdir() if p.suffix in (".c", ".inc"))
 
 
 def library_path():

@@ -23,21 +23,27 @@ typedef int64_t i64;
 #define T float
 #define TI int32_t
 #define SQRT sqrtf
+#define POW powf
 #define SUFFIX f32
 #include "pool.inc"
 #include "update.inc"
+#include "lrn.inc"
 #undef T
 #undef TI
 #undef SQRT
+#undef POW
 #undef SUFFIX
 
 #define T double
 #define TI int64_t
 #define SQRT sqrt
+#define POW pow
 #define SUFFIX f64
 #include "pool.inc"
 #include "update.inc"
+#include "lrn.inc"
 #undef T
 #undef TI
 #undef SQRT
+#undef POW
 #undef SUFFIX
