@@ -93,10 +93,7 @@ def engine(net, i):
     layer = net.layers[i]
     if layer.type != "Convolution":
         return "gemm"
-    from caffepar.nn.conv import conv_engine
-    shape = net.blob_list[net.bottom_ids[i][0]].shape
-    return conv_engine(shape[layer.axis + 1:], layer.blobs[0].shape, layer.stride, layer.pad,
-                       layer.dilation, layer.group)
+    return layer.engine(net.blob_list[net.bottom_ids[i][0]].shape)
 
 
 def bench_net(name, model, batch, rounds):

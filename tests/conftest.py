@@ -4,6 +4,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")
+# Tests take the engines of the fixed rules (deterministic, no timing); tests of the measured
+# choice set it themselves.
+os.environ.setdefault("CAFFEPAR_CONV_ENGINES", "rules")
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 CAFFE_REF = SHARED / "caffe_ref"

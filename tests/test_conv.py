@@ -505,3 +505,42 @@ def test_winograd_only_for_wide_3x3_stride_1():
     assert not use((8, 8, 8), 3, 1, 1, 1, wide, wide)
     assert not use((13, 13), 3, 1, 1, 1, wide, wide)   # 14x14 of tiles: 16% more
     assert use((27, 28), 3, 1, 1, 1, wide, wide)       # 28x28: 4% more
+
+
+def test_engine_measured_once_and_cached(tmp_path, monkeypatch):
+    """With CAFFEPAR_CONV_ENGINES=measure the first run of a shape times every engine able to
+    run it and keeps the fastest in the cache; later lookups, in this process or another, read
+    it. An engine's name forces it where it applies; "rules" takes the fixed thresholds."""
+    from caffepar.nn.conv import calibrate, dispatch
+    monkeypatch.setenv("CAFFEPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "measure")
+    monkeypatch.setattr(calibrate, "_chosen", {})
+    timed = []
+    fake = {"winograd": 4.0, "band": 3.0, "im2col": 1.0, "grid": 2.0}
+
+    def timing(run, engine):
+        run(engine)
+        timed.append(engine)
+        return fake[engine]
+
+    monkeypatch.setattr(calibrate, "_timed", timing)
+    shape = ((9, 9), (4, 3, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+    g = geometry.Geom(*shape[0:1], shape[1][2:], *shape[2:5])
+    assert dispatch.candidates(g, 3, 1) == ["winograd", "band", "im2col", "grid"]
+    assert cm.conv_engine(*shape, batch=2) == "im2col"
+    assert sorted(timed) == ["band", "grid", "im2col", "winograd"]
+    assert cm.conv_engine(*shape, batch=2) == "im2col" and len(timed) == 4
+    monkeypatch.setattr(calibrate, "_chosen", {})         # another process: reads the file
+    assert cm.conv_engine(*shape, batch=2) == "im2col" and len(timed) == 4
+    (entry,) = calibrate._load(calibrate._cache_file()).items()
+    assert entry[0].startswith("2x3x9x9 4 k3x3 s1x1 p1x1 d1x1 g1 float32") and entry[1] == "im2col"
+    assert cm.conv_engine(*shape, batch=3) == "im2col" and len(timed) == 8   # another batch
+    monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "grid")
+    assert cm.conv_engine(*shape, batch=2) == "grid"
+    monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "pointwise")      # cannot run 3x3: the rule
+    assert cm.conv_engine(*shape, batch=2) == dispatch.rule_engine(g, 3, 4, 1) == "band"
+    x, w, b, dy = make(case(2, 3, (9, 9), 4, 3, 1, 1))
+    for engine in ("winograd", "band", "im2col", "grid"):
+        monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", engine)
+        close(cm.conv_forward(x, w, b, (1, 1), (1, 1), (1, 1), 1),
+              ref_conv(x, w, b, (1, 1), (1, 1), (1, 1), 1), 1e-10)

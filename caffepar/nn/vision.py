@@ -129,6 +129,14 @@ class _ConvolutionBase(Layer):
     def _kernels(self):
         return self.stride, self.pad, self.dilation, self.group
 
+    def engine(self, bottom_shape):
+        """The convolution engine this layer's shape runs on (`caffepar time` prints it)."""
+        spatial = tuple(bottom_shape[self.axis + 1:])
+        if self.transposed:     # runs as the backward pass of the convolution top -> bottom
+            spatial = self.output_spatial(spatial)
+        return conv.conv_engine(spatial, self.blobs[0].shape, *self._kernels(),
+                                batch=self.batch, dtype=self.blobs[0].data.dtype)
+
     def forward(self, bottom, top):
         w = self.blobs[0].data
         b = self.blobs[1].data if self.bias_term else None

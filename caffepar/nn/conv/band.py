@@ -19,12 +19,15 @@ BAND_FOLD_ALL = 64
 BAND_BYTES = 8 << 20
 
 
+def applicable(g, group):
+    """Band im2col needs 2-D images, one group and unit row stride."""
+    return g.nd == 2 and group == 1 and g.stride[0] == 1
+
+
 def usable(g, group):
-    """Band im2col for small 2-D images (large ones are better off with a
-    GEMM per image written straight into y): needs one group and unit row
-    stride."""
-    return (g.nd == 2 and group == 1 and g.stride[0] == 1
-            and math.prod(g.out) < cols.COLS_DIRECT_MIN)
+    """The rule: band im2col for small 2-D images (large ones are better off with a GEMM per
+    image written straight into y)."""
+    return applicable(g, group) and math.prod(g.out) < cols.COLS_DIRECT_MIN
 
 
 class _BandPlan:

@@ -35,15 +35,21 @@ COLS_DIRECT_MIN = 4096
 COLS_SHORT_ROW = 32
 
 
+def applicable(g, cg, group):
+    """Anything with more than one tap; one channel per group (depthwise) goes to the grid
+    engine's elementwise path."""
+    return g.ntaps > 1 and not (cg == 1 and group > 1)
+
+
 def usable(g, cg, og, group):
-    """im2col (one deep GEMM per block) or per-tap GEMMs on the flat grid?
+    """The rule: im2col (one deep GEMM per block) or per-tap GEMMs on the flat grid?
 
     Per-tap GEMMs are too thin when channels per group are few. Otherwise
     they avoid im2col's copies (which cost about COLS_COPY_OPS / Og of the
     GEMM time) but also compute the grid's garbage cells, a large share for
     small images (14x14 -> 16x16 grid: 31%).
     """
-    if g.ntaps == 1 or (cg == 1 and group > 1):
+    if not applicable(g, cg, group):
         return False
     waste = g.qsize / math.prod(g.out) - 1
     return cg < COLS_MAX_CHANNELS or waste > COLS_COPY_OPS / og

@@ -1,11 +1,15 @@
 """The convolution API with Caffe's semantics, and the one place that picks an engine for a layer
 shape (``conv_engine``)."""
+import threading
+
 import numpy as np
 
-from caffepar.nn.conv import band, cols, grid, pointwise, winograd
+from caffepar.nn.blas import blas_threads
+from caffepar.nn.conv import band, calibrate, cols, grid, pointwise, winograd
 from caffepar.nn.conv.geometry import expand, flipped_geom, flipped_weights, geom
 
-def _forward_engine(g, cg, og, group):
+def rule_engine(g, cg, og, group):
+    """The engine fixed thresholds give a shape (without measuring)."""
     if winograd.usable(g, cg, og):
         return "winograd"
     if pointwise.usable(g):
@@ -15,11 +19,68 @@ def _forward_engine(g, cg, og, group):
     return "grid"
 
 
-def conv_engine(in_spatial, w_shape, stride, pad, dilation, group):
-    """Which engine runs a convolution's forward: winograd, pointwise, band,
-    im2col or grid (per-tap GEMMs); benchmarks print it."""
+def candidates(g, cg, group):
+    """The engines able to run a shape."""
+    found = [name for name, able in (("winograd", winograd.applicable(g)),
+                                     ("pointwise", pointwise.applicable(g)),
+                                     ("band", band.applicable(g, group)),
+                                     ("im2col", cols.applicable(g, cg, group))) if able]
+    return found + ["grid"]
+
+
+_forced = threading.local()     # .shape, .engine: the engine being timed for one shape
+
+
+def _engine(g, cg, og, group, n, dt, forward_only=False):
+    """The engine a shape runs on: a forced one, else the measured choice (calibrate), else
+    the rule."""
+    shape = (g.in_sp, g.kernel, g.stride, g.pad, g.dilation, cg, og, group)
+    if getattr(_forced, "shape", None) == shape:
+        return _forced.engine
+    able = candidates(g, cg, group)
+    mode = calibrate.mode()
+    if mode in able:
+        return mode
+    if mode != "measure" or n == 0 or calibrate.measuring():
+        return rule_engine(g, cg, og, group)
+    key = (f"{n}x{cg * group}x{'x'.join(map(str, g.in_sp))} {og * group} "
+           f"k{'x'.join(map(str, g.kernel))} s{'x'.join(map(str, g.stride))} "
+           f"p{'x'.join(map(str, g.pad))} d{'x'.join(map(str, g.dilation))} g{group} {dt.name}"
+           f"{' forward' if forward_only else ''} t{blas_threads()}")
+    return calibrate.choose(key, able, _timing_run(shape, n, dt, forward_only), key)
+
+
+def _timing_run(shape, n, dt, forward_only):
+    """run(engine): one forward (+ backward) of a shape on random data with that engine."""
+    in_sp, kernel, stride, pad, dilation, cg, og, group = shape
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, cg * group) + in_sp).astype(dt)
+    w = (rng.standard_normal((og * group, cg) + kernel) * 0.1).astype(dt)
+    y = np.empty((n, og * group) + geom(in_sp, kernel, stride, pad, dilation).out, dt)
+    dx = np.empty_like(x)
+
+    def run(engine):
+        _forced.shape, _forced.engine = shape, engine
+        try:
+            conv_forward(x, w, None, stride, pad, dilation, group, out=y)
+            if not forward_only:
+                conv_backward(y, x, w, stride, pad, dilation, group, dx_out=dx)
+        finally:
+            _forced.shape = None
+
+    return run
+
+
+def conv_engine(in_spatial, w_shape, stride, pad, dilation, group, batch=None,
+                dtype=np.float32):
+    """Which engine runs a convolution (winograd, pointwise, band, im2col or grid): measured
+    for the batch when one is given (as the layers run), else the rule's; benchmarks and
+    `caffepar time` print it."""
     g = geom(in_spatial, w_shape[2:], stride, pad, dilation)
-    return _forward_engine(g, w_shape[1], w_shape[0] // group, group)
+    cg, og = w_shape[1], w_shape[0] // group
+    if batch is None:
+        return rule_engine(g, cg, og, group)
+    return _engine(g, cg, og, group, batch, np.dtype(dtype))
 
 
 def _check(x, w, group, what):
@@ -87,9 +148,9 @@ def conv_forward(x, w, b, stride, pad, dilation, group, out=None):
     return _deliver(y, final)
 
 
-def _conv_forward_into(g, x, w, bias, y, group, dt):
+def _conv_forward_into(g, x, w, bias, y, group, dt, forward_only=False):
     o, cg = w.shape[:2]
-    engine = _forward_engine(g, cg, o // group, group)
+    engine = _engine(g, cg, o // group, group, x.shape[0], dt, forward_only)
     if engine == "winograd":
         winograd.forward(x, w, bias, y, g.pad, group, dt)
     elif engine == "pointwise":
@@ -141,7 +202,7 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
         raise ValueError(f"conv_backward: dy has shape {dy.shape}, expected {(n, o) + g.out}")
     if not (need_dx or need_dw or need_db):
         return None, None, None
-    engine = _forward_engine(g, cg, og, group)
+    engine = _engine(g, cg, og, group, n, dt)
     wino = engine == "winograd" and n > 0
     use_cols = engine in ("band", "im2col") and n > 0 and (need_dx or need_dw)
     dx = final = None
@@ -179,7 +240,8 @@ def _cols_backward(g, engine, dy, x, w, dx, group, need_dw, need_db, dt):
         if engine == "band":
             band.forward(gt, dy, flipped_weights(w, group), None, dx, dt)
         else:
-            _conv_forward_into(gt, dy, flipped_weights(w, group), None, dx, group, dt)
+            _conv_forward_into(gt, dy, flipped_weights(w, group), None, dx, group, dt,
+                               forward_only=True)
     if engine == "im2col":
         return cols.backward(g, dy, x, w, dx if gt is None else None, group,
                                need_dw, need_db, dt)

@@ -10,9 +10,13 @@ from caffepar.nn.blas import gemm_views as _gemm
 POINTWISE_DIRECT_MIN = 1024
 
 
+def applicable(g):
+    return g.ntaps == 1 and all(s == 1 for s in g.stride) and all(p == 0 for p in g.pad)
+
+
 def usable(g):
-    return (g.ntaps == 1 and all(s == 1 for s in g.stride) and all(p == 0 for p in g.pad)
-            and g.qsize >= POINTWISE_DIRECT_MIN)
+    """The rule: large images (small ones do better as one grid GEMM over a chunk)."""
+    return applicable(g) and g.qsize >= POINTWISE_DIRECT_MIN
 
 
 def forward(x, w, y, group):

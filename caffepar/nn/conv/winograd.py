@@ -39,12 +39,16 @@ def _wino_mats(dt):
     return mats
 
 
+def applicable(g):
+    """2-D 3x3 stride-1 undilated layers with pads up to 2."""
+    return (g.nd == 2 and g.kernel == (3, 3) and g.stride == (1, 1) and g.dilation == (1, 1)
+            and max(g.pad) <= 2)
+
+
 def usable(g, cg, og):
-    """Wide enough that 2.25x fewer multiplies pay for the transforms, and
+    """The rule: wide enough that 2.25x fewer multiplies pay for the transforms, and
     an output the 2x2 tiles cover without much waste (13x13 computes 14x14)."""
-    if not (g.nd == 2 and g.kernel == (3, 3) and g.stride == (1, 1)
-            and g.dilation == (1, 1) and max(g.pad) <= 2
-            and min(cg, og) >= WINOGRAD_MIN_CHANNELS):
+    if not (applicable(g) and min(cg, og) >= WINOGRAD_MIN_CHANNELS):
         return False
     tiled = math.prod(o + o % 2 for o in g.out)
     return tiled <= (1 + WINOGRAD_MAX_WASTE) * math.prod(g.out)
