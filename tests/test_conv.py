@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from caffepar.nn import conv as cm
-from caffepar.nn.conv import band, cols, geometry, grid, winograd
+from caffepar.nn.conv import band, cols, direct, geometry, grid, winograd
 
 pytestmark = pytest.mark.kernel_paths
 
@@ -526,7 +526,7 @@ def test_engine_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "_timed", timing)
     shape = ((9, 9), (4, 3, 3, 3), (1, 1), (1, 1), (1, 1), 1)
     g = geometry.Geom(*shape[0:1], shape[1][2:], *shape[2:5])
-    assert dispatch.candidates(g, 3, 1) == ["winograd", "band", "im2col", "grid"]
+    assert dispatch.candidates(g, 3, 1, np.dtype(np.float64))[-4:] == ["winograd", "band", "im2col", "grid"]
     assert cm.conv_engine(*shape, batch=2) == "im2col"
     assert sorted(timed) == ["band", "grid", "im2col", "winograd"]
     assert cm.conv_engine(*shape, batch=2) == "im2col" and len(timed) == 4
@@ -544,3 +544,32 @@ def test_engine_measured_once_and_cached(tmp_path, monkeypatch):
         monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", engine)
         close(cm.conv_forward(x, w, b, (1, 1), (1, 1), (1, 1), 1),
               ref_conv(x, w, b, (1, 1), (1, 1), (1, 1), 1), 1e-10)
+
+
+DIRECT_CASES = [cs for cs in CASES if cs[5] == (1,) * len(cs[2]) and len(cs[2]) == 2] + [
+    case(17, 5, (6, 7), 10, 3, 1, 1),              # a second, partly filled lane block
+    case(3, 8, (5, 9), 12, (3, 5), 1, (1, 2), (2, 1), 2),
+]
+
+
+@pytest.mark.parametrize("cs", DIRECT_CASES, ids=ids)
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-4)])
+def test_direct_engine(cs, dtype, tol, kernel_path, monkeypatch):
+    """The compiled direct engine (images in the vector lanes) for every stride-1 2-D case it
+    takes: forward, dx, dw, db, and deconvolution through it."""
+    x, w, b, dy = make(cs)
+    args = cs[5:]
+    g = geometry.Geom(x.shape[2:], w.shape[2:], *args[:3])
+    if not direct.applicable(g, np.dtype(dtype)):
+        pytest.skip("not a shape (or kernel path) the direct engine takes")
+    monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "direct")
+    monkeypatch.setattr(direct, "PARTS_PER_THREAD", 3)
+    xx, ww, bb, dd = (a.astype(dtype) for a in (x, w, b, dy))
+    close(cm.conv_forward(xx, ww, bb, *args), ref_conv(x, w, b, *args), tol)
+    for got, want in zip(cm.conv_backward(dd, xx, ww, *args), ref_conv_grads(dy, x, w, *args)):
+        close(got, want, tol)
+    dx, dw, _ = cm.conv_backward(dd, xx, ww, *args, need_dw=False, need_db=False)
+    assert dw is None
+    close(dx, ref_conv_grads(dy, x, w, *args)[0], tol)
+    yd = cm.deconv_forward(dd, ww, None, *args)
+    close(yd, ref_deconv(dy, w, None, *args), tol)

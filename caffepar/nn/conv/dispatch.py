@@ -5,7 +5,7 @@ import threading
 import numpy as np
 
 from caffepar.nn.blas import blas_threads
-from caffepar.nn.conv import band, calibrate, cols, grid, pointwise, winograd
+from caffepar.nn.conv import band, calibrate, cols, direct, grid, pointwise, winograd
 from caffepar.nn.conv.geometry import expand, flipped_geom, flipped_weights, geom
 
 def rule_engine(g, cg, og, group):
@@ -19,9 +19,10 @@ def rule_engine(g, cg, og, group):
     return "grid"
 
 
-def candidates(g, cg, group):
+def candidates(g, cg, group, dt):
     """The engines able to run a shape."""
-    found = [name for name, able in (("winograd", winograd.applicable(g)),
+    found = [name for name, able in (("direct", direct.applicable(g, dt)),
+                                     ("winograd", winograd.applicable(g)),
                                      ("pointwise", pointwise.applicable(g)),
                                      ("band", band.applicable(g, group)),
                                      ("im2col", cols.applicable(g, cg, group))) if able]
@@ -37,7 +38,7 @@ def _engine(g, cg, og, group, n, dt, forward_only=False):
     shape = (g.in_sp, g.kernel, g.stride, g.pad, g.dilation, cg, og, group)
     if getattr(_forced, "shape", None) == shape:
         return _forced.engine
-    able = candidates(g, cg, group)
+    able = candidates(g, cg, group, dt)
     mode = calibrate.mode()
     if mode in able:
         return mode
@@ -151,7 +152,9 @@ def conv_forward(x, w, b, stride, pad, dilation, group, out=None):
 def _conv_forward_into(g, x, w, bias, y, group, dt, forward_only=False):
     o, cg = w.shape[:2]
     engine = _engine(g, cg, o // group, group, x.shape[0], dt, forward_only)
-    if engine == "winograd":
+    if engine == "direct":
+        direct.forward(g, x, w, bias, y, group, dt)
+    elif engine == "winograd":
         winograd.forward(x, w, bias, y, g.pad, group, dt)
     elif engine == "pointwise":
         pointwise.forward(x, w, y, group)
@@ -203,14 +206,17 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
     if not (need_dx or need_dw or need_db):
         return None, None, None
     engine = _engine(g, cg, og, group, n, dt)
-    wino = engine == "winograd" and n > 0
+    whole = engine in ("winograd", "direct") and n > 0       # dx written in full
     use_cols = engine in ("band", "im2col") and n > 0 and (need_dx or need_dw)
     dx = final = None
     if need_dx:
         dx, final = _target(dx_out, x_shape, dt, "conv_backward")
-        if not (g.x_full or use_cols or wino):
+        if not (g.x_full or use_cols or whole):
             dx.fill(0)
-    if wino:
+    if whole and engine == "direct":
+        dw = direct.backward(g, dy, x, w, dx, group, need_dw, dt)
+        db = dy.sum(axis=(0, 2, 3), dtype=dt) if need_db else None
+    elif whole:
         dw = winograd.backward(dy, x, w, dx, g.pad, group, need_dw, dt)
         db = dy.sum(axis=(0, 2, 3), dtype=dt) if need_db else None
     elif use_cols:

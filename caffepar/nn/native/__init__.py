@@ -53,6 +53,10 @@ SIGNATURES = {
     "solver_update": "ppppiiddidddd",
     "lrn_forward": "ppppp" + "iiii" + "ddd",
     "lrn_backward": "ppppppp" + "iiii" + "d",
+    "conv_pack": "pp" + "i" * 10,
+    "conv_unpack": "ppp" + "i" * 6,
+    "conv_direct_forward": "ppp" + "i" * 14,
+    "conv_direct_dw": "ppp" + "i" * 16,
 }
 
 

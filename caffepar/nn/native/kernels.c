@@ -2,8 +2,8 @@
  * (names ending _f32) and T = double (_f64). Built by caffepar/nn/native/__init__.py. */
 #include <float.h>
 #include <math.h>
-#include <stdlib.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef int64_t i64;
@@ -15,11 +15,15 @@ typedef int64_t i64;
 /* Explicit vectors of 64 bytes (VL elements; two instructions each on AVX2 hosts, one with
  * AVX-512) where the compiler's own vectoriser falls short; TI is the integer of T's width, the
  * type of a comparison's lanes. */
+#define VL_OF(type) (64 / (i64)sizeof(type))
 #define VEC_TYPES                                                 \
     enum { VL = 64 / sizeof(T) };                                 \
     typedef T vec __attribute__((vector_size(64)));               \
     typedef TI ivec __attribute__((vector_size(64)));
 
+/* The other kernels repeat the NumPy code's roundings exactly (the build passes
+ * -ffp-contract=off); the convolution kernels sum in their own order anyway, so they may fuse
+ * multiply-adds. */
 #define T float
 #define TI int32_t
 #define SQRT sqrtf
@@ -28,6 +32,10 @@ typedef int64_t i64;
 #include "pool.inc"
 #include "update.inc"
 #include "lrn.inc"
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+#include "conv.inc"
+#pragma GCC pop_options
 #undef T
 #undef TI
 #undef SQRT
@@ -42,6 +50,10 @@ typedef int64_t i64;
 #include "pool.inc"
 #include "update.inc"
 #include "lrn.inc"
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+#include "conv.inc"
+#pragma GCC pop_options
 #undef T
 #undef TI
 #undef SQRT
