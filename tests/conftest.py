@@ -26,11 +26,11 @@ def pytest_addoption(parser):
 
 
 def pytest_generate_tests(metafunc):
-    """Tests marked kernel_paths run on the compiled kernels and on the NumPy code."""
-    if metafunc.definition.get_closest_marker("kernel_paths"):
+    """Tests using the kernel_path fixture (whole modules through usefixtures) run on the
+    compiled kernels and on the NumPy code."""
+    if "kernel_path" in metafunc.fixturenames:
         chosen = metafunc.config.getoption("--kernels")
         paths = ["native", "numpy"] if chosen == "both" else [chosen]
-        metafunc.fixturenames.append("kernel_path")
         metafunc.parametrize("kernel_path", paths, indirect=True)
 
 

@@ -8,7 +8,7 @@ import pytest
 from caffepar.nn import conv as cm
 from caffepar.nn.conv import band, cols, direct, geometry, grid, winograd
 
-pytestmark = pytest.mark.kernel_paths
+pytestmark = pytest.mark.usefixtures("kernel_path")
 
 
 # ---------------------------------------------------------------- references
@@ -507,7 +507,7 @@ def test_winograd_only_for_wide_3x3_stride_1():
     assert use((27, 28), 3, 1, 1, 1, wide, wide)       # 28x28: 4% more
 
 
-def test_engine_measured_once_and_cached(tmp_path, monkeypatch):
+def test_engine_measured_once_and_cached(tmp_path, monkeypatch, kernel_path):
     """With CAFFEPAR_CONV_ENGINES=measure the first run of a shape times every engine able to
     run it and keeps the fastest in the cache; later lookups, in this process or another, read
     it. An engine's name forces it where it applies; "rules" takes the fixed thresholds."""
@@ -516,7 +516,7 @@ def test_engine_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "measure")
     monkeypatch.setattr(calibrate, "_chosen", {})
     timed = []
-    fake = {"winograd": 4.0, "band": 3.0, "im2col": 1.0, "grid": 2.0}
+    fake = {"direct": 5.0, "winograd": 4.0, "band": 3.0, "im2col": 1.0, "grid": 2.0}
 
     def timing(run, engine):
         run(engine)
@@ -526,15 +526,16 @@ def test_engine_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "_timed", timing)
     shape = ((9, 9), (4, 3, 3, 3), (1, 1), (1, 1), (1, 1), 1)
     g = geometry.Geom(*shape[0:1], shape[1][2:], *shape[2:5])
-    assert dispatch.candidates(g, 3, 1, np.dtype(np.float64))[-4:] == ["winograd", "band", "im2col", "grid"]
+    able = dispatch.candidates(g, 3, 1, np.dtype(np.float32))
+    assert able == ["direct"] * (kernel_path == "native") + ["winograd", "band", "im2col", "grid"]
     assert cm.conv_engine(*shape, batch=2) == "im2col"
-    assert sorted(timed) == ["band", "grid", "im2col", "winograd"]
-    assert cm.conv_engine(*shape, batch=2) == "im2col" and len(timed) == 4
+    assert sorted(timed) == sorted(able)
+    assert cm.conv_engine(*shape, batch=2) == "im2col" and len(timed) == len(able)
     monkeypatch.setattr(calibrate, "_chosen", {})         # another process: reads the file
-    assert cm.conv_engine(*shape, batch=2) == "im2col" and len(timed) == 4
+    assert cm.conv_engine(*shape, batch=2) == "im2col" and len(timed) == len(able)
     (entry,) = calibrate._load(calibrate._cache_file()).items()
     assert entry[0].startswith("2x3x9x9 4 k3x3 s1x1 p1x1 d1x1 g1 float32") and entry[1] == "im2col"
-    assert cm.conv_engine(*shape, batch=3) == "im2col" and len(timed) == 8   # another batch
+    assert cm.conv_engine(*shape, batch=3) == "im2col" and len(timed) == 2 * len(able)
     monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "grid")
     assert cm.conv_engine(*shape, batch=2) == "grid"
     monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "pointwise")      # cannot run 3x3: the rule

@@ -8,7 +8,7 @@ import pytest
 import caffepar as caffe
 from conftest import CAFFE_REF
 
-pytestmark = pytest.mark.kernel_paths
+pytestmark = pytest.mark.usefixtures("kernel_path")
 
 LAYER_DIR = CAFFE_REF / "layers"
 CASES = sorted(json.loads((LAYER_DIR / "index.json").read_text())["cases"]) \

@@ -9,7 +9,7 @@ import pytest
 import caffepar as caffe
 from conftest import CAFFE_REF
 
-pytestmark = pytest.mark.kernel_paths
+pytestmark = pytest.mark.usefixtures("kernel_path")
 
 NET_DIR = CAFFE_REF / "nets"
 CASES = sorted(p.name for p in NET_DIR.iterdir() if (p / "net.prototxt").exists()) \

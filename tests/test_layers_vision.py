@@ -5,7 +5,7 @@ import pytest
 
 from gradcheck import check_net_gradients
 
-pytestmark = pytest.mark.kernel_paths
+pytestmark = pytest.mark.usefixtures("kernel_path")
 
 RNG = np.random.default_rng(4)
 
