@@ -1,25 +1,28 @@
-"""The direct engine: compiled multiply-add kernels with images in the vector lanes, no im2col
-and no GEMM (caffepar/nn/native/conv.inc).
+"""The direct engine: compiled multiply-add kernels, no im2col and no GEMM
+(caffepar/nn/native/conv.inc).
 
-A block of VL images (16 floats per 64-byte vector) is packed zero-padded as (C, Hp, Wp, VL);
-every tap of every output pixel is then one vector load, and a tile of output channels x output
-columns stays in registers through all channels and taps. The kernels are built for the host's
-instruction set (AVX-512 where there is one), which a BLAS tuned for another CPU may not use:
-this engine does not depend on how well the BLAS knows the CPU. Best with a batch of many
-images (lanes past the batch are wasted) and thin layers, where GEMMs are short.
+Output channels go in the vector lanes: the result is built in a "lanes" layout (N, Ho, Wo, CP),
+each pixel's channels contiguous (padded to CP, a multiple of the 64-byte vector), by tiles of
+8 output pixels x 32 output channels held in registers while every input channel and tap adds
+one broadcast input value times a vector of weights. The input is read zero-padded in place of
+NCHW. The kernels are built for the host's instruction set (AVX-512 where there is one), which a
+BLAS tuned for another CPU may not use, so this engine does not depend on how well the BLAS knows
+the CPU; it does best on thin layers, where GEMMs are short.
 
-dx is the same forward kernel on dy (packed with the flipped kernel's padding) with flipped
-weights, so the engine takes stride-1 layers whose flipped form exists. Work is split in parts
-(image block x output rows or channels) run side by side with ``run_parts``; dw is summed per
-image block and the blocks' sums are added in block order.
+dw uses the same layouts (a tile of taps x channel vectors summed over images and pixels); dx
+is the forward kernel on dy, padded for the flipped kernel, with flipped weights -- so the engine
+takes stride-1 layers whose flipped form exists. Work is cut in parts (runs of images x output
+rows, or x input channels for dw) run side by side with ``run_parts``; each run of images sums
+its own dw, and the runs' sums are added in order (``geometry.SUM_PARTS`` runs at most).
 """
 import numpy as np
 
 from caffepar.nn import native
-from caffepar.nn.blas import blas_threads, run_parts, split_parts
+from caffepar.nn.blas import blas_threads, run_parts, scratch, split_parts
+from caffepar.nn.conv import geometry
 from caffepar.nn.conv.geometry import flipped_geom, flipped_weights
 
-#: Parts per thread the work is split in (a thread slowed by other load takes fewer).
+#: Parts per thread the work is cut in (a thread slowed by other load takes fewer).
 PARTS_PER_THREAD = 4
 
 
@@ -28,135 +31,151 @@ def applicable(g, dtype):
             and native.kernels(dtype) is not None)
 
 
-class _Blocks:
-    """The image blocks of a batch and the parts work on them is cut in."""
+def _lanes(channels, dt):
+    vl = 64 // dt.itemsize
+    return -(-channels // vl) * vl
 
-    def __init__(self, n, dt):
-        self.n, self.dt = n, dt
-        self.vl = 64 // dt.itemsize
-        self.count = -(-n // self.vl)
 
-    def images(self, b):
-        return min(self.vl, self.n - b * self.vl)
+def _parts(n, items, most=None):
+    """(first image, images, first item, end item) cutting n images x `items` (rows or
+    channels) in about PARTS_PER_THREAD parts per thread (`most` image runs at most)."""
+    want = PARTS_PER_THREAD * blas_threads()
+    runs = max(1, min(n, want if most is None else min(want, most)))
+    pieces = max(1, min(items, -(-want // runs)))
+    return [(r[0], len(r), i[0], i[-1] + 1) for r in split_parts(range(n), runs)
+            for i in split_parts(range(items), pieces)]
 
-    def parts(self, items):
-        """(block, first, end) over each block's `items` (rows or channels), cut in pieces
-        enough for every thread to take several."""
-        want = PARTS_PER_THREAD * blas_threads()
-        pieces = max(1, min(items, -(-want // self.count)))
-        return [(b, r[0], r[-1] + 1) for b in range(self.count)
-                for r in split_parts(range(items), pieces)]
+
+def _images(parts):
+    """Parts over runs of images alone, for the layout copies."""
+    return [(i, m, 0, 0) for i, m in {(p[0], p[1]) for p in parts}]
 
 
 def _run(fn, parts):
-    run_parts(lambda part: [fn(*p) for p in part], split_parts(parts))
+    run_parts(lambda chunk: [fn(*p) for p in chunk], split_parts(parts))
 
 
-def _pack(k, blocks, a, first, channels, pad):
-    """(blocks, channels, Hp, Wp, VL): channels first .. first + channels of a (N, C, H, W),
-    zero-padded by pad, images in the lanes (zero past the batch)."""
-    n, c_all, h, w = a.shape
-    dt, vl = blocks.dt, blocks.vl
-    hp, wp = h + 2 * pad[0], w + 2 * pad[1]
-    packed = np.empty((blocks.count, channels, hp, wp, vl), dt)
-    src, dst = native.ptr(a) + first * h * w * dt.itemsize, native.ptr(packed)
-    image, block = c_all * h * w * dt.itemsize, packed.strides[0]
+class _Layout:
+    """The kernels of one dtype and the copies between NCHW, padded NCHW and lanes layouts."""
 
-    def run(b, c0, c1):
-        k.conv_pack(src + b * vl * image, dst + b * block, blocks.images(b), c_all, h, w,
-                    pad[0], pad[1], hp, wp, c0, c1)
+    def __init__(self, dt):
+        self.k = native.kernels(dt)
+        self.dt = dt
+        self.isz = dt.itemsize
 
-    _run(run, blocks.parts(channels))
-    return packed
+    def pad(self, key, a, first, channels, pad):
+        """(N, channels, Hp, Wp): channels first .. of a (N, C, H, W), zero-padded."""
+        n, c_all, h, w = a.shape
+        out = scratch(key, (n, channels, h + 2 * pad[0], w + 2 * pad[1]), self.dt)
+        image_in, image_out = c_all * h * w * self.isz, out.strides[0]
 
+        def run(i, m, _a, _b):
+            self.k.conv_pad(native.ptr(a) + i * image_in, native.ptr(out) + i * image_out, m,
+                            c_all, first, channels, h, w, *pad)
 
-def _unpack(k, blocks, packed, out, first, bias):
-    """Channels of packed (blocks, O, H, W, VL) into out[:, first:first + O] (N, C, H, W)."""
-    n, c_all, h, w = out.shape
-    dt, vl = blocks.dt, blocks.vl
-    o = packed.shape[1]
-    src, dst = native.ptr(packed), native.ptr(out) + first * h * w * dt.itemsize
-    bias_ptr = None if bias is None else native.ptr(bias)
-    image, block = c_all * h * w * dt.itemsize, packed.strides[0]
+        _run(run, _images(_parts(n, 1)))
+        return out
 
-    def run(b, o0, o1):
-        k.conv_unpack(src + b * block, dst + b * vl * image, bias_ptr, blocks.images(b),
-                      c_all, h, w, o0, o1)
+    def to_lanes(self, key, a, first, channels):
+        """(N, H, W, CP): channels first .. of a (N, C, H, W) in the lanes layout."""
+        n, c_all, h, w = a.shape
+        cp = _lanes(channels, self.dt)
+        out = scratch(key, (n, h, w, cp), self.dt)
 
-    _run(run, blocks.parts(o))
+        def run(i, m, _a, _b):
+            self.k.conv_to_lanes(native.ptr(a) + i * c_all * h * w * self.isz,
+                                 native.ptr(out) + i * out.strides[0], m, c_all, first,
+                                 channels, h * w, cp)
 
+        _run(run, _images(_parts(n, 1)))
+        return out
 
-def _convolve(k, blocks, xp, wt, out_shape, g):
-    """(blocks, O, Ho, Wo, VL) = the forward kernel over packed input, weights (C, KH, KW, O)."""
-    c, hp, wp = xp.shape[1:4]
-    o = wt.shape[-1]
-    ho, wo = out_shape
-    yp = np.empty((blocks.count, o, ho, wo, blocks.vl), blocks.dt)
-    src, dst, wts = native.ptr(xp), native.ptr(yp), native.ptr(wt)
+    def from_lanes(self, lanes, out, first, channels, bias):
+        """out[:, first:first + channels] (N, C, H, W) = lanes (N, H, W, CP) + bias."""
+        n, c_all, h, w = out.shape
+        bias_ptr = None if bias is None else native.ptr(bias)
 
-    def run(b, r0, r1):
-        k.conv_direct_forward(src + b * xp.strides[0], wts, dst + b * yp.strides[0], c, hp, wp,
-                              o, *g.kernel, ho, wo, *g.stride, *g.dilation, r0, r1)
+        def run(i, m, _a, _b):
+            self.k.conv_from_lanes(native.ptr(lanes) + i * lanes.strides[0],
+                                   native.ptr(out) + i * c_all * h * w * self.isz, bias_ptr, m,
+                                   c_all, first, channels, h * w, lanes.shape[-1])
 
-    _run(run, blocks.parts(ho))
-    return yp
+        _run(run, _images(_parts(n, 1)))
+
+    def convolve(self, key, xp, wt, out_shape, g):
+        """(N, Ho, Wo, CP) = the forward kernel over padded x (N, C, Hp, Wp) and weights
+        (C, KH, KW, CP)."""
+        n, c, hp, wp = xp.shape
+        cp = wt.shape[-1]
+        ho, wo = out_shape
+        y = scratch(key, (n, ho, wo, cp), self.dt)
+
+        def run(i, m, r0, r1):
+            self.k.conv_direct_forward(native.ptr(xp) + i * xp.strides[0], native.ptr(wt),
+                                       native.ptr(y) + i * y.strides[0], m, c, hp, wp, cp,
+                                       *g.kernel, ho, wo, *g.stride, *g.dilation, r0, r1)
+
+        _run(run, _parts(n, ho))
+        return y
+
+    def weights(self, w):
+        """(O, C, KH, KW) -> (C, KH, KW, OP), output channels zero-padded to the lanes."""
+        o = w.shape[0]
+        wt = np.zeros(w.shape[1:] + (_lanes(o, self.dt),), self.dt)
+        wt[..., :o] = w.transpose(1, 2, 3, 0)
+        return wt
 
 
 def forward(g, x, w, bias, y, group, dt):
-    k = native.kernels(dt)
-    n = x.shape[0]
+    lay = _Layout(dt)
     o, cg = w.shape[:2]
     og = o // group
-    blocks = _Blocks(n, dt)
     for gi in range(group):
-        xp = _pack(k, blocks, x, gi * cg, cg, g.pad)
-        wt = np.ascontiguousarray(w[gi * og:(gi + 1) * og].transpose(1, 2, 3, 0))
-        yp = _convolve(k, blocks, xp, wt, g.out, g)
+        xp = lay.pad("direct_x", x, gi * cg, cg, g.pad)
+        yl = lay.convolve("direct_y", xp, lay.weights(w[gi * og:(gi + 1) * og]), g.out, g)
         b = None if bias is None else np.ascontiguousarray(bias[gi * og:(gi + 1) * og])
-        _unpack(k, blocks, yp, y, gi * og, b)
+        lay.from_lanes(yl, y, gi * og, og, b)
 
 
 def backward(g, dy, x, w, dx, group, need_dw, dt):
     """dw (or None), and dx written in full when dx is given."""
-    k = native.kernels(dt)
-    n = dy.shape[0]
+    lay = _Layout(dt)
     o, cg = w.shape[:2]
     og = o // group
-    blocks = _Blocks(n, dt)
     gt = flipped_geom(g)
     dw = np.empty(w.shape, dt) if need_dw else None
     wf = flipped_weights(w, group) if dx is not None else None
     for gi in range(group):
-        # dy padded for the flipped convolution; dw reads its interior.
-        dyp = _pack(k, blocks, dy, gi * og, og, gt.pad)
         if need_dw:
-            xp = _pack(k, blocks, x, gi * cg, cg, g.pad)
-            dw[gi * og:(gi + 1) * og] = _weight_gradient(k, blocks, xp, dyp, gt.pad, g,
-                                                         og, cg)
+            xp = lay.pad("direct_x", x, gi * cg, cg, g.pad)
+            dyl = lay.to_lanes("direct_y", dy, gi * og, og)
+            dw[gi * og:(gi + 1) * og] = _weight_gradient(lay, xp, dyl, g, og)
         if dx is not None:
-            wt = np.ascontiguousarray(wf[gi * cg:(gi + 1) * cg].transpose(1, 2, 3, 0))
-            dxp = _convolve(k, blocks, dyp, wt, g.in_sp, gt)
-            _unpack(k, blocks, dxp, dx, gi * cg, None)
+            dyp = lay.pad("direct_x", dy, gi * og, og, gt.pad)
+            dxl = lay.convolve("direct_y", dyp, lay.weights(wf[gi * cg:(gi + 1) * cg]),
+                               g.in_sp, gt)
+            lay.from_lanes(dxl, dx, gi * cg, cg, None)
     return dw
 
 
-def _weight_gradient(k, blocks, xp, dyp, dy_pad, g, og, cg):
-    """(O, C, KH, KW): per image block, channel pieces side by side, then the blocks' sums
-    added in block order."""
-    hp, wp = xp.shape[2:4]
-    dhp, dwp = dyp.shape[2:4]
+def _weight_gradient(lay, xp, dyl, g, og):
+    """(O, C, KH, KW): each run of images sums its own (input channel pieces side by side),
+    then the runs' sums are added in order."""
+    n, c, hp, wp = xp.shape
+    cp = dyl.shape[-1]
     ho, wo = g.out
-    parts = np.zeros((blocks.count, og, cg) + g.kernel, blocks.dt)
-    origin = (dy_pad[0] * dwp + dy_pad[1]) * blocks.vl * blocks.dt.itemsize
+    parts = _parts(n, c, geometry.SUM_PARTS)
+    runs = sorted({p[0] for p in parts})
+    sums = np.zeros((len(runs), c) + g.kernel + (cp,), lay.dt)
 
-    def run(b, c0, c1):
-        k.conv_direct_dw(native.ptr(xp) + b * xp.strides[0],
-                         native.ptr(dyp) + b * dyp.strides[0] + origin,
-                         native.ptr(parts) + b * parts.strides[0], cg, hp, wp, og, *g.kernel,
-                         ho, wo, *g.stride, *g.dilation, dwp, dhp * dwp, c0, c1)
+    def run(i, m, c0, c1):
+        lay.k.conv_direct_dw(native.ptr(xp) + i * xp.strides[0],
+                             native.ptr(dyl) + i * dyl.strides[0],
+                             native.ptr(sums) + runs.index(i) * sums.strides[0], m, c, hp, wp,
+                             cp, *g.kernel, ho, wo, *g.stride, *g.dilation, c0, c1)
 
-    _run(run, blocks.parts(cg))
-    total = parts[0]
-    for part in parts[1:]:
+    _run(run, parts)
+    total = sums[0]
+    for part in sums[1:]:
         total += part
-    return total
+    return np.ascontiguousarray(np.moveaxis(total[..., :og], -1, 0))

@@ -53,10 +53,11 @@ SIGNATURES = {
     "solver_update": "ppppiiddidddd",
     "lrn_forward": "ppppp" + "iiii" + "ddd",
     "lrn_backward": "ppppppp" + "iiii" + "d",
-    "conv_pack": "pp" + "i" * 10,
-    "conv_unpack": "ppp" + "i" * 6,
-    "conv_direct_forward": "ppp" + "i" * 14,
-    "conv_direct_dw": "ppp" + "i" * 16,
+    "conv_pad": "pp" + "i" * 8,
+    "conv_to_lanes": "pp" + "i" * 6,
+    "conv_from_lanes": "ppp" + "i" * 6,
+    "conv_direct_forward": "ppp" + "i" * 15,
+    "conv_direct_dw": "ppp" + "i" * 15,
 }
 
 
