@@ -37,6 +37,16 @@ def mode():
 
 def _cache_file():
     from caffepar.nn import native
+    setting = (native.mode(), os.environ.get("CAFFEPAR_BLAS", ""), str(native.cache_dir()))
+    if setting not in _paths:
+        _paths[setting] = _hashed_path(native)
+    return _paths[setting]
+
+
+_paths = {}     # the settings it depends on -> cache file path
+
+
+def _hashed_path(native):
     h = hashlib.sha256()
     here = Path(__file__).resolve().parent
     for p in sorted(here.glob("*.py")) + native._sources():
@@ -86,9 +96,10 @@ def _measurement():
         _measuring.on = False
 
 
-def choose(key, candidates, run, describe):
-    """The engine for a shape: cached, or the fastest of `candidates` by `run(engine)` (one
-    forward + backward), measured now and cached. `describe` names the shape in the log."""
+def choose(key, candidates, timing, describe):
+    """The engine for a shape: cached, or the fastest of `candidates` measured now and cached;
+    timing() makes run(engine), one forward + backward. `describe` names the shape in the
+    log."""
     if len(candidates) == 1:
         return candidates[0]
     with _LOCK:
@@ -101,6 +112,7 @@ def choose(key, candidates, run, describe):
             return engine
         with _measurement():
             start = time.perf_counter()
+            run = timing()
             times = {}
             for e in candidates:
                 run(e)                                  # warm: buffers, caches, first touches

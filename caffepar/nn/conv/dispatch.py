@@ -48,7 +48,7 @@ def _engine(g, cg, og, group, n, dt, forward_only=False):
            f"k{'x'.join(map(str, g.kernel))} s{'x'.join(map(str, g.stride))} "
            f"p{'x'.join(map(str, g.pad))} d{'x'.join(map(str, g.dilation))} g{group} {dt.name}"
            f"{' forward' if forward_only else ''} t{blas_threads()}")
-    return calibrate.choose(key, able, _timing_run(shape, n, dt, forward_only), key)
+    return calibrate.choose(key, able, lambda: _timing_run(shape, n, dt, forward_only), key)
 
 
 def _timing_run(shape, n, dt, forward_only):
