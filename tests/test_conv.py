@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from caffepar.nn import conv as cm
+from caffepar.nn.blas import blas_threads
 from caffepar.nn.conv import band, cols, direct, geometry, grid, winograd
 
 pytestmark = pytest.mark.usefixtures("kernel_path")
@@ -536,6 +537,10 @@ def test_engine_measured_once_and_cached(tmp_path, monkeypatch, kernel_path):
     (entry,) = calibrate._load(calibrate._cache_file()).items()
     assert entry[0].startswith("2x3x9x9 4 k3x3 s1x1 p1x1 d1x1 g1 float32") and entry[1] == "im2col"
     assert cm.conv_engine(*shape, batch=3) == "im2col" and len(timed) == 2 * len(able)
+    assert cm.conv_engine(*shape, batch=3, need_dx=False) == "im2col"    # a first layer
+    assert len(timed) == 3 * len(able)
+    assert any(k.endswith(" no dx t" + str(blas_threads())) for k in
+               calibrate._load(calibrate._cache_file()))
     monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "grid")
     assert cm.conv_engine(*shape, batch=2) == "grid"
     monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "pointwise")      # cannot run 3x3: the rule
@@ -547,7 +552,7 @@ def test_engine_measured_once_and_cached(tmp_path, monkeypatch, kernel_path):
               ref_conv(x, w, b, (1, 1), (1, 1), (1, 1), 1), 1e-10)
 
 
-DIRECT_CASES = [cs for cs in CASES if cs[5] == (1,) * len(cs[2]) and len(cs[2]) == 2] + [
+DIRECT_CASES = [cs for cs in CASES if len(cs[2]) == 2] + [
     case(17, 5, (6, 7), 10, 3, 1, 1),              # a second, partly filled lane block
     case(3, 8, (5, 9), 12, (3, 5), 1, (1, 2), (2, 1), 2),
 ]
@@ -556,8 +561,8 @@ DIRECT_CASES = [cs for cs in CASES if cs[5] == (1,) * len(cs[2]) and len(cs[2]) 
 @pytest.mark.parametrize("cs", DIRECT_CASES, ids=ids)
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-4)])
 def test_direct_engine(cs, dtype, tol, kernel_path, monkeypatch):
-    """The compiled direct engine (images in the vector lanes) for every stride-1 2-D case it
-    takes: forward, dx, dw, db, and deconvolution through it."""
+    """The compiled direct engine for every 2-D case it takes (strided ones too): forward, dx,
+    dw, db, and deconvolution through it."""
     x, w, b, dy = make(cs)
     args = cs[5:]
     g = geometry.Geom(x.shape[2:], w.shape[2:], *args[:3])

@@ -134,16 +134,22 @@ class _ConvolutionBase(Layer):
         spatial = tuple(bottom_shape[self.axis + 1:])
         if self.transposed:     # runs as the backward pass of the convolution top -> bottom
             spatial = self.output_spatial(spatial)
+        need_dx = bool((self.bottom_need_diff or [True])[0]) or self.transposed
         return conv.conv_engine(spatial, self.blobs[0].shape, *self._kernels(),
-                                batch=self.batch, dtype=self.blobs[0].data.dtype)
+                                batch=self.batch, dtype=self.blobs[0].data.dtype,
+                                need_dx=need_dx)
 
     def forward(self, bottom, top):
         w = self.blobs[0].data
         b = self.blobs[1].data if self.bias_term else None
-        run = conv.deconv_forward if self.transposed else conv.conv_forward
-        for bt, tp in zip(bottom, top):
+        hints = self.bottom_need_diff or [True] * len(bottom)
+        for bt, tp, need_dx in zip(bottom, top, hints):
             out = self._nc_view(tp.data, bt.data)
-            y = run(self._as_nc(bt.data), w, b, *self._kernels(), out=out)
+            if self.transposed:
+                y = conv.deconv_forward(self._as_nc(bt.data), w, b, *self._kernels(), out=out)
+            else:
+                y = conv.conv_forward(self._as_nc(bt.data), w, b, *self._kernels(), out=out,
+                                      backward_dx=bool(need_dx))
             if out is None:
                 tp.data[...] = y.reshape(tp.shape)
 

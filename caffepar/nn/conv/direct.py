@@ -10,8 +10,9 @@ BLAS tuned for another CPU may not use, so this engine does not depend on how we
 the CPU; it does best on thin layers, where GEMMs are short.
 
 dw uses the same layouts (a tile of taps x channel vectors summed over images and pixels); dx
-is the forward kernel on dy, padded for the flipped kernel, with flipped weights -- so the engine
-takes stride-1 layers whose flipped form exists. Work is cut in parts (runs of images x output
+is the forward kernel on dy, padded for the flipped kernel (for a strided layer, spread over the
+stride grid first: a cost that grows with the stride, which the engine measurement weighs), with
+flipped weights. Work is cut in parts (runs of images x output
 rows, or x input channels for dw) run side by side with ``run_parts``; each run of images sums
 its own dw, and the runs' sums are added in order (``geometry.SUM_PARTS`` runs at most).
 """
@@ -20,15 +21,21 @@ import numpy as np
 from caffepar.nn import native
 from caffepar.nn.blas import blas_threads, run_parts, scratch, split_parts
 from caffepar.nn.conv import geometry
-from caffepar.nn.conv.geometry import flipped_geom, flipped_weights
+from caffepar.nn.conv.geometry import flipped_weights
 
 #: Parts per thread the work is cut in (a thread slowed by other load takes fewer).
 PARTS_PER_THREAD = 4
 
 
 def applicable(g, dtype):
-    return (g.nd == 2 and g.stride == (1, 1) and flipped_geom(g) is not None
-            and native.kernels(dtype) is not None)
+    return (g.nd == 2 and _dx_pad(g) is not None and native.kernels(dtype) is not None)
+
+
+def _dx_pad(g):
+    """The padding of dy (for a strided layer: of dy spread over the stride grid) that makes
+    dx a stride-1 convolution with the flipped kernel, or None when the layer is over-padded."""
+    pads = tuple(d * (k - 1) - p for k, d, p in zip(g.kernel, g.dilation, g.pad))
+    return pads if min(pads) >= 0 else None
 
 
 def _lanes(channels, dt):
@@ -142,7 +149,8 @@ def backward(g, dy, x, w, dx, group, need_dw, dt):
     lay = _Layout(dt)
     o, cg = w.shape[:2]
     og = o // group
-    gt = flipped_geom(g)
+    gt = geometry.geom(g.in_sp, g.kernel, (1, 1), (0, 0), g.dilation) \
+        if dx is not None else None
     dw = np.empty(w.shape, dt) if need_dw else None
     wf = flipped_weights(w, group) if dx is not None else None
     for gi in range(group):
@@ -151,11 +159,29 @@ def backward(g, dy, x, w, dx, group, need_dw, dt):
             dyl = lay.to_lanes("direct_y", dy, gi * og, og)
             dw[gi * og:(gi + 1) * og] = _weight_gradient(lay, xp, dyl, g, og)
         if dx is not None:
-            dyp = lay.pad("direct_x", dy, gi * og, og, gt.pad)
+            dyp = _spread(lay, dy, gi * og, og, g)
             dxl = lay.convolve("direct_y", dyp, lay.weights(wf[gi * cg:(gi + 1) * cg]),
                                g.in_sp, gt)
             lay.from_lanes(dxl, dx, gi * cg, cg, None)
     return dw
+
+
+def _spread(lay, dy, first, channels, g):
+    """dy's channels padded so that dx is a stride-1 unpadded convolution of it with the
+    flipped kernel: (N, channels, H + d(k-1), W + d(k-1)). A strided layer's dy is spread
+    over its stride grid (zeros between), with the rows and columns of x that no window
+    reached getting zeros at the end."""
+    pads = _dx_pad(g)
+    if g.stride == (1, 1):
+        return lay.pad("direct_x", dy, first, channels, pads)
+    n = dy.shape[0]
+    size = tuple(i + d * (k - 1) for i, k, d in zip(g.in_sp, g.kernel, g.dilation))
+    out = scratch("direct_x", (n, channels) + size, lay.dt)
+    out.fill(0)
+    out[(slice(None), slice(None)) + tuple(slice(p, p + (o - 1) * s + 1, s) for p, o, s in
+                                           zip(pads, g.out, g.stride))] = \
+        dy[:, first:first + channels]
+    return out
 
 
 def _weight_gradient(lay, xp, dyl, g, og):

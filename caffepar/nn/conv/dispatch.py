@@ -32,9 +32,10 @@ def candidates(g, cg, group, dt):
 _forced = threading.local()     # .shape, .engine: the engine being timed for one shape
 
 
-def _engine(g, cg, og, group, n, dt, forward_only=False):
-    """The engine a shape runs on: a forced one, else the measured choice (calibrate), else
-    the rule."""
+def _engine(g, cg, og, group, n, dt, passes="all"):
+    """The engine a shape runs on: a forced one, else the measured choice (calibrate) for the
+    passes it runs ("all"; "no dx": forward, dw, db; "forward": a flipped-kernel dx), else the
+    rule."""
     shape = (g.in_sp, g.kernel, g.stride, g.pad, g.dilation, cg, og, group)
     if getattr(_forced, "shape", None) == shape:
         return _forced.engine
@@ -47,12 +48,12 @@ def _engine(g, cg, og, group, n, dt, forward_only=False):
     key = (f"{n}x{cg * group}x{'x'.join(map(str, g.in_sp))} {og * group} "
            f"k{'x'.join(map(str, g.kernel))} s{'x'.join(map(str, g.stride))} "
            f"p{'x'.join(map(str, g.pad))} d{'x'.join(map(str, g.dilation))} g{group} {dt.name}"
-           f"{' forward' if forward_only else ''} t{blas_threads()}")
-    return calibrate.choose(key, able, lambda: _timing_run(shape, n, dt, forward_only), key)
+           f"{'' if passes == 'all' else ' ' + passes} t{blas_threads()}")
+    return calibrate.choose(key, able, lambda: _timing_run(shape, n, dt, passes), key)
 
 
-def _timing_run(shape, n, dt, forward_only):
-    """run(engine): one forward (+ backward) of a shape on random data with that engine."""
+def _timing_run(shape, n, dt, passes):
+    """run(engine): the passes of a shape on random data with that engine."""
     in_sp, kernel, stride, pad, dilation, cg, og, group = shape
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, cg * group) + in_sp).astype(dt)
@@ -64,8 +65,9 @@ def _timing_run(shape, n, dt, forward_only):
         _forced.shape, _forced.engine = shape, engine
         try:
             conv_forward(x, w, None, stride, pad, dilation, group, out=y)
-            if not forward_only:
-                conv_backward(y, x, w, stride, pad, dilation, group, dx_out=dx)
+            if passes != "forward":
+                conv_backward(y, x, w, stride, pad, dilation, group, need_dx=passes == "all",
+                              dx_out=dx)
         finally:
             _forced.shape = None
 
@@ -73,15 +75,15 @@ def _timing_run(shape, n, dt, forward_only):
 
 
 def conv_engine(in_spatial, w_shape, stride, pad, dilation, group, batch=None,
-                dtype=np.float32):
-    """Which engine runs a convolution (winograd, pointwise, band, im2col or grid): measured
-    for the batch when one is given (as the layers run), else the rule's; benchmarks and
-    `caffepar time` print it."""
+                dtype=np.float32, need_dx=True):
+    """Which engine runs a convolution (direct, winograd, pointwise, band, im2col or grid):
+    measured for the batch when one is given (as the layers run), else the rule's; benchmarks
+    and `caffepar time` print it."""
     g = geom(in_spatial, w_shape[2:], stride, pad, dilation)
     cg, og = w_shape[1], w_shape[0] // group
     if batch is None:
         return rule_engine(g, cg, og, group)
-    return _engine(g, cg, og, group, batch, np.dtype(dtype))
+    return _engine(g, cg, og, group, batch, np.dtype(dtype), "all" if need_dx else "no dx")
 
 
 def _check(x, w, group, what):
@@ -125,11 +127,12 @@ def _deliver(result, final):
     return final
 
 
-def conv_forward(x, w, b, stride, pad, dilation, group, out=None):
+def conv_forward(x, w, b, stride, pad, dilation, group, out=None, backward_dx=True):
     """x (N, C, *S), w (O, C//group, *K), b (O,) or None -> y (N, O, *S_out), C-contiguous.
 
     With ``out`` (shape (N, O, *S_out)) the result is written there and
-    returned, saving the caller a copy.
+    returned, saving the caller a copy. ``backward_dx`` tells whether the backward pass will
+    want dx (an engine is chosen for the passes a layer runs).
     """
     x = np.asarray(x)
     w = np.asarray(w)
@@ -145,13 +148,13 @@ def conv_forward(x, w, b, stride, pad, dilation, group, out=None):
     y, final = _target(out, (n, o) + g.out, dt, "conv_forward")
     bias = None if b is None else np.asarray(b, dt).reshape(o)
     if n:
-        _conv_forward_into(g, x, w, bias, y, group, dt)
+        _conv_forward_into(g, x, w, bias, y, group, dt, "all" if backward_dx else "no dx")
     return _deliver(y, final)
 
 
-def _conv_forward_into(g, x, w, bias, y, group, dt, forward_only=False):
+def _conv_forward_into(g, x, w, bias, y, group, dt, passes="all"):
     o, cg = w.shape[:2]
-    engine = _engine(g, cg, o // group, group, x.shape[0], dt, forward_only)
+    engine = _engine(g, cg, o // group, group, x.shape[0], dt, passes)
     if engine == "direct":
         direct.forward(g, x, w, bias, y, group, dt)
     elif engine == "winograd":
@@ -205,7 +208,7 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
         raise ValueError(f"conv_backward: dy has shape {dy.shape}, expected {(n, o) + g.out}")
     if not (need_dx or need_dw or need_db):
         return None, None, None
-    engine = _engine(g, cg, og, group, n, dt)
+    engine = _engine(g, cg, og, group, n, dt, "all" if need_dx else "no dx")
     whole = engine in ("winograd", "direct") and n > 0       # dx written in full
     use_cols = engine in ("band", "im2col") and n > 0 and (need_dx or need_dw)
     dx = final = None
@@ -247,7 +250,7 @@ def _cols_backward(g, engine, dy, x, w, dx, group, need_dw, need_db, dt):
             band.forward(gt, dy, flipped_weights(w, group), None, dx, dt)
         else:
             _conv_forward_into(gt, dy, flipped_weights(w, group), None, dx, group, dt,
-                               forward_only=True)
+                               "forward")
     if engine == "im2col":
         return cols.backward(g, dy, x, w, dx if gt is None else None, group,
                                need_dw, need_db, dt)
