@@ -12,6 +12,7 @@ Per net, each round runs in turn:
   prototxt (models/<net>/train_val_dummy.prototxt, Caffe in a subprocess, with the same
   OPENBLAS_* settings);
 and the fastest of the rounds counts, so a noisy spell on a shared machine falls on every side.
+Convolution engines are measured afresh at the start (unless --keep-engines).
 Also: max pooling 3x3/2 on cifar10_quick's pool1 (100x32x32x32) forward + backward, the SGD
 update alone, and the engine each convolution runs on. The machine's load average is recorded
 with the figures: figures taken under load are marked as such.
@@ -198,7 +199,12 @@ def main():
     ap.add_argument("--caffe", default=None, help="a BVLC Caffe `caffe` binary to compare with")
     ap.add_argument("--out", default=str(ROOT / "results/cpu_speed"),
                     help="write OUT.md, OUT.csv and OUT.png (empty: print only)")
+    ap.add_argument("--keep-engines", action="store_true",
+                    help="use the convolution engines measured earlier on this machine (by "
+                         "default they are measured afresh, in a temporary cache)")
     args = ap.parse_args()
+    if not args.keep_engines:
+        os.environ["CAFFEPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="caffepar-bench-")
     from bench_layers import fastest, sgemm_rate
     from caffepar.nn import native
     threads = int(os.environ.get("OPENBLAS_NUM_THREADS", os.cpu_count() or 1))

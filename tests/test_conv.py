@@ -467,6 +467,8 @@ WINOGRAD_CASES = [
     case(1, 2, (3, 3), 2, 3, 1, 2),
     case(3, 4, (1, 4), 4, 3, 1, 1),
     case(2, 6, (9, 9), 3, 3, 1, (1, 0)),
+    case(1, 2, (5, 70), 3, 3, 1, 1),               # rows of 35 tiles: whole vectors of them
+    case(1, 2, (6, 37), 3, 3, 1, (0, 2)),
 ]
 
 

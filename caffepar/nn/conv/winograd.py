@@ -9,13 +9,18 @@ vectors, the three transforms are kron products, so every stage is a GEMM: V = B
 as deep as the layer's channels), and tiles of y = A2 @ M. Backward: dx is the same forward on
 dy with flipped kernels, and dw is G2^T (sum over tiles of (A2^T dy_tile)[xi] V[xi]^T), the
 exact adjoint.
+
+With the compiled kernels the input transform, the output transform and its adjoint each run in
+one pass straight from x, into y and from dy (caffepar/nn/native/winograd.inc), a vector of tiles
+at a time, channel pieces side by side.
 """
 import math
 
 import numpy as np
 
+from caffepar.nn import native
+from caffepar.nn.blas import blas_threads, run_parts, scratch, split_parts
 from caffepar.nn.blas import gemm_views as _gemm
-from caffepar.nn.blas import scratch
 from caffepar.nn.conv.geometry import flipped_weights, workspace_chunk
 
 #: 3x3 stride-1 layers with at least this many input and output channels
@@ -81,6 +86,12 @@ class _WinoTiles:
         """V (16, C, m * tiles) for a chunk of images xc (m, C, H, W)."""
         m, c = xc.shape[:2]
         ty, tx = self.ty, self.tx
+        k = _kernels(xc, dt, tx)
+        if k is not None:
+            v = scratch("wino_v", (16, c, m * self.tiles), dt)
+            _side_by_side(c, lambda c0, c1: k.wino_input(
+                native.ptr(xc), native.ptr(v), m, c, self.h, self.w, *self.pad, ty, tx, c0, c1))
+            return v
         ph = scratch("wino_ph", (2, 2, c, m, ty + 1, tx + 1), dt, zero=True)
         for a, b, (i0, i1, r0), (j0, j1, c0) in self.copies:
             np.copyto(ph[a, b, :, :, i0:i1, j0:j1],
@@ -103,6 +114,21 @@ class _WinoTiles:
                 ny, nx = (self.oh - a + 1) // 2, (self.ow - b + 1) // 2
                 yield (out[:, :, a::2, b::2].transpose(1, 0, 2, 3),
                        z[a, b, :, :, :ny, :nx])
+
+
+def _kernels(a, dt, tx):
+    """The compiled transforms for a C-contiguous array, or None: the NumPy ones. They take a
+    vector of tiles at a time, so rows of fewer tiles than a vector holds stay with NumPy's
+    copies and GEMMs, which are faster there."""
+    if not (a.flags.c_contiguous and a.dtype == dt and tx >= 64 // dt.itemsize):
+        return None
+    return native.kernels(dt)
+
+
+def _side_by_side(count, fn):
+    """fn(first, end) over pieces of range(count), side by side."""
+    pieces = split_parts(range(count), 4 * blas_threads())
+    run_parts(lambda piece: fn(piece[0], piece[-1] + 1), pieces)
 
 
 def _phase_span(a, pad, size, n):
@@ -138,6 +164,13 @@ def forward(x, w, bias, y, pad, group, dt):
             for gi in range(group):
                 _gemm(u[k, gi * og:(gi + 1) * og], v[k, gi * cg:(gi + 1) * cg],
                       prod[k, gi * og:(gi + 1) * og])
+        k = _kernels(y, dt, wt.tx)
+        if k is not None:
+            _side_by_side(o, lambda o0, o1: k.wino_output(
+                native.ptr(prod), native.ptr(y[n0:n0 + m]),
+                None if bias is None else native.ptr(bias), m, o, wt.oh, wt.ow, wt.ty, wt.tx,
+                o0, o1))
+            continue
         z = scratch("wino_y", (4, o, t), dt)
         _gemm(a2, prod.reshape(16, -1), z.reshape(4, -1))
         if bias is not None:
@@ -151,8 +184,7 @@ def backward(dy, x, w, dx, pad, group, need_dw, dt):
     o, cg = w.shape[:2]
     og = o // group
     if dx is not None:
-        forward(dy, flipped_weights(w, group), None, dx, (2 - pad[0], 2 - pad[1]),
-                      group, dt)
+        forward(dy, flipped_weights(w, group), None, dx, (2 - pad[0], 2 - pad[1]), group, dt)
     if not need_dw:
         return None
     n, c = x.shape[:2]
@@ -165,11 +197,17 @@ def backward(dy, x, w, dx, pad, group, need_dw, dt):
         m = min(nc, n - n0)
         t = m * wt.tiles
         v = wt.input_transform(x[n0:n0 + m], dt)
-        z = scratch("wino_y", (4, o, t), dt, zero=odd)
-        for src, dst in wt.quads(dy[n0:n0 + m], z.reshape(2, 2, o, m, wt.ty, wt.tx)):
-            np.copyto(dst, src)
         dprod = scratch("wino_dm", (16, o, t), dt)
-        _gemm(a2, z.reshape(4, -1), dprod.reshape(16, -1), trans_a=True)
+        k = _kernels(dy, dt, wt.tx)
+        if k is not None:
+            _side_by_side(o, lambda o0, o1: k.wino_output_adjoint(
+                native.ptr(dy[n0:n0 + m]), native.ptr(dprod), m, o, wt.oh, wt.ow, wt.ty,
+                wt.tx, o0, o1))
+        else:
+            z = scratch("wino_y", (4, o, t), dt, zero=odd)
+            for src, dst in wt.quads(dy[n0:n0 + m], z.reshape(2, 2, o, m, wt.ty, wt.tx)):
+                np.copyto(dst, src)
+            _gemm(a2, z.reshape(4, -1), dprod.reshape(16, -1), trans_a=True)
         for k in range(16):
             for gi in range(group):
                 _gemm(dprod[k, gi * og:(gi + 1) * og], v[k, gi * cg:(gi + 1) * cg],

@@ -32,6 +32,7 @@ typedef int64_t i64;
 #include "pool.inc"
 #include "update.inc"
 #include "lrn.inc"
+#include "winograd.inc"
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 #include "conv.inc"
@@ -50,6 +51,7 @@ typedef int64_t i64;
 #include "pool.inc"
 #include "update.inc"
 #include "lrn.inc"
+#include "winograd.inc"
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 #include "conv.inc"
