@@ -53,77 +53,66 @@ def _parts(n, items, most=None):
             for i in split_parts(range(items), pieces)]
 
 
-def _images(parts):
-    """Parts over runs of images alone, for the layout copies."""
-    return [(i, m, 0, 0) for i, m in {(p[0], p[1]) for p in parts}]
-
-
 def _run(fn, parts):
     run_parts(lambda chunk: [fn(*p) for p in chunk], split_parts(parts))
 
 
+def _by_images(n):
+    """Whether a pass runs as one part per run of images doing all its steps (copies and
+    kernels, in cache), rather than step by step over the whole batch: when there are images
+    enough for every thread to take two runs or more."""
+    return n >= 2 * blas_threads()
+
+
 class _Layout:
-    """The kernels of one dtype and the copies between NCHW, padded NCHW and lanes layouts."""
+    """The kernels of one dtype and the copies between NCHW, padded NCHW and lanes layouts,
+    each over a run of images (i, m: the first and how many) of whole-batch arrays."""
 
     def __init__(self, dt):
         self.k = native.kernels(dt)
         self.dt = dt
         self.isz = dt.itemsize
 
-    def pad(self, key, a, first, channels, pad):
-        """(N, channels, Hp, Wp): channels first .. of a (N, C, H, W), zero-padded."""
-        n, c_all, h, w = a.shape
-        out = scratch(key, (n, channels, h + 2 * pad[0], w + 2 * pad[1]), self.dt)
-        image_in, image_out = c_all * h * w * self.isz, out.strides[0]
+    def image(self, a, i):
+        """Address of image i of a (N, ...) C-contiguous array."""
+        return native.ptr(a) + i * a.strides[0]
 
-        def run(i, m, _a, _b):
-            self.k.conv_pad(native.ptr(a) + i * image_in, native.ptr(out) + i * image_out, m,
-                            c_all, first, channels, h, w, *pad)
+    def pad(self, out, a, i, m, first, channels, pad):
+        """out[i:i + m] (N, channels, Hp, Wp) = channels first .. of a (N, C, H, W),
+        zero-padded."""
+        _, c_all, h, w = a.shape
+        self.k.conv_pad(self.image(a, i), self.image(out, i), m, c_all, first, channels, h, w,
+                        *pad)
 
-        _run(run, _images(_parts(n, 1)))
-        return out
+    def to_lanes(self, out, a, i, m, first, channels):
+        """out[i:i + m] (N, H, W, CP) = channels first .. of a (N, C, H, W)."""
+        _, c_all, h, w = a.shape
+        self.k.conv_to_lanes(self.image(a, i), self.image(out, i), m, c_all, first, channels,
+                             h * w, out.shape[-1])
 
-    def to_lanes(self, key, a, first, channels):
-        """(N, H, W, CP): channels first .. of a (N, C, H, W) in the lanes layout."""
-        n, c_all, h, w = a.shape
-        cp = _lanes(channels, self.dt)
-        out = scratch(key, (n, h, w, cp), self.dt)
+    def from_lanes(self, lanes, out, i, m, first, channels, bias):
+        """out[i:i + m, first:first + channels] (N, C, H, W) = lanes (N, H, W, CP) + bias."""
+        _, c_all, h, w = out.shape
+        self.k.conv_from_lanes(self.image(lanes, i), self.image(out, i),
+                               None if bias is None else native.ptr(bias), m, c_all, first,
+                               channels, h * w, lanes.shape[-1])
 
-        def run(i, m, _a, _b):
-            self.k.conv_to_lanes(native.ptr(a) + i * c_all * h * w * self.isz,
-                                 native.ptr(out) + i * out.strides[0], m, c_all, first,
-                                 channels, h * w, cp)
+    def convolve(self, out, xp, wt, i, m, g, r0, r1):
+        """Rows r0 .. r1 of out[i:i + m] (N, Ho, Wo, CP) = the forward kernel over padded
+        x (N, C, Hp, Wp) and weights (C, KH, KW, CP)."""
+        _, c, hp, wp = xp.shape
+        _, ho, wo, cp = out.shape
+        self.k.conv_direct_forward(self.image(xp, i), native.ptr(wt), self.image(out, i), m, c,
+                                   hp, wp, cp, *g.kernel, ho, wo, *g.stride, *g.dilation,
+                                   r0, r1)
 
-        _run(run, _images(_parts(n, 1)))
-        return out
-
-    def from_lanes(self, lanes, out, first, channels, bias):
-        """out[:, first:first + channels] (N, C, H, W) = lanes (N, H, W, CP) + bias."""
-        n, c_all, h, w = out.shape
-        bias_ptr = None if bias is None else native.ptr(bias)
-
-        def run(i, m, _a, _b):
-            self.k.conv_from_lanes(native.ptr(lanes) + i * lanes.strides[0],
-                                   native.ptr(out) + i * c_all * h * w * self.isz, bias_ptr, m,
-                                   c_all, first, channels, h * w, lanes.shape[-1])
-
-        _run(run, _images(_parts(n, 1)))
-
-    def convolve(self, key, xp, wt, out_shape, g):
-        """(N, Ho, Wo, CP) = the forward kernel over padded x (N, C, Hp, Wp) and weights
-        (C, KH, KW, CP)."""
-        n, c, hp, wp = xp.shape
-        cp = wt.shape[-1]
-        ho, wo = out_shape
-        y = scratch(key, (n, ho, wo, cp), self.dt)
-
-        def run(i, m, r0, r1):
-            self.k.conv_direct_forward(native.ptr(xp) + i * xp.strides[0], native.ptr(wt),
-                                       native.ptr(y) + i * y.strides[0], m, c, hp, wp, cp,
-                                       *g.kernel, ho, wo, *g.stride, *g.dilation, r0, r1)
-
-        _run(run, _parts(n, ho))
-        return y
+    def weight_gradient(self, out, xp, dyl, i, m, g, c0, c1):
+        """out (C, KH, KW, CP) += input channels c0 .. c1 of the weight gradient of images
+        i .. i + m."""
+        _, c, hp, wp = xp.shape
+        _, ho, wo, cp = dyl.shape
+        self.k.conv_direct_dw(self.image(xp, i), self.image(dyl, i), native.ptr(out), m, c, hp,
+                              wp, cp, *g.kernel, ho, wo, *g.stride, *g.dilation, c0, c1)
 
     def weights(self, w):
         """(O, C, KH, KW) -> (C, KH, KW, OP), output channels zero-padded to the lanes."""
@@ -133,75 +122,108 @@ class _Layout:
         return wt
 
 
+def _buffers(shapes, dt, n=None):
+    """Work arrays by role: the calling thread's (whole batch), or with n a run's (n images)."""
+    return {key: scratch("direct_" + key, ((n or shape[0]),) + shape[1:], dt)
+            for key, shape in shapes.items()}
+
+
 def forward(g, x, w, bias, y, group, dt):
     lay = _Layout(dt)
+    n = x.shape[0]
     o, cg = w.shape[:2]
     og = o // group
+    hp, wp = (i + 2 * p for i, p in zip(g.in_sp, g.pad))
+    shapes = {"x": (n, cg, hp, wp), "y": (n,) + g.out + (_lanes(og, dt),)}
     for gi in range(group):
-        xp = lay.pad("direct_x", x, gi * cg, cg, g.pad)
-        yl = lay.convolve("direct_y", xp, lay.weights(w[gi * og:(gi + 1) * og]), g.out, g)
+        wt = lay.weights(w[gi * og:(gi + 1) * og])
         b = None if bias is None else np.ascontiguousarray(bias[gi * og:(gi + 1) * og])
-        lay.from_lanes(yl, y, gi * og, og, b)
+        if _by_images(n):
+            def run(i, m, _r0, _r1):
+                buf = _buffers(shapes, dt, m)
+                lay.pad(buf["x"], x[i:i + m], 0, m, gi * cg, cg, g.pad)
+                lay.convolve(buf["y"], buf["x"], wt, 0, m, g, 0, g.out[0])
+                lay.from_lanes(buf["y"], y[i:i + m], 0, m, gi * og, og, b)
+
+            _run(run, _parts(n, 1))
+            continue
+        buf = _buffers(shapes, dt)
+        _run(lambda i, m, _a, _b: lay.pad(buf["x"], x, i, m, gi * cg, cg, g.pad), _parts(n, 1))
+        _run(lambda i, m, r0, r1: lay.convolve(buf["y"], buf["x"], wt, i, m, g, r0, r1),
+             _parts(n, g.out[0]))
+        _run(lambda i, m, _a, _b: lay.from_lanes(buf["y"], y, i, m, gi * og, og, b),
+             _parts(n, 1))
 
 
 def backward(g, dy, x, w, dx, group, need_dw, dt):
     """dw (or None), and dx written in full when dx is given."""
     lay = _Layout(dt)
+    n = dy.shape[0]
     o, cg = w.shape[:2]
     og = o // group
-    gt = geometry.geom(g.in_sp, g.kernel, (1, 1), (0, 0), g.dilation) \
-        if dx is not None else None
     dw = np.empty(w.shape, dt) if need_dw else None
     wf = flipped_weights(w, group) if dx is not None else None
+    gt = geometry.geom(g.in_sp, g.kernel, (1, 1), (0, 0), g.dilation)
+    spread = tuple(i + d * (k - 1) for i, k, d in zip(g.in_sp, g.kernel, g.dilation))
+    hp, wp = (i + 2 * p for i, p in zip(g.in_sp, g.pad))
+    shapes = {"x": (n, cg, hp, wp), "dyl": (n,) + g.out + (_lanes(og, dt),),
+              "dyp": (n, og) + spread, "dxl": (n,) + g.in_sp + (_lanes(cg, dt),)}
     for gi in range(group):
+        wt = lay.weights(wf[gi * cg:(gi + 1) * cg]) if dx is not None else None
+        if _by_images(n):
+            runs = _parts(n, 1, geometry.SUM_PARTS)
+            sums = np.zeros((len(runs), cg) + g.kernel + (_lanes(og, dt),), dt) \
+                if need_dw else None
+
+            def run(i, m, _r0, _r1):
+                buf = _buffers(shapes, dt, m)
+                if need_dw:
+                    lay.pad(buf["x"], x[i:i + m], 0, m, gi * cg, cg, g.pad)
+                    lay.to_lanes(buf["dyl"], dy[i:i + m], 0, m, gi * og, og)
+                    lay.weight_gradient(sums[[r[0] for r in runs].index(i)], buf["x"],
+                                        buf["dyl"], 0, m, g, 0, cg)
+                if dx is not None:
+                    _spread(lay, buf["dyp"], dy[i:i + m], gi * og, og, g)
+                    lay.convolve(buf["dxl"], buf["dyp"], wt, 0, m, gt, 0, g.in_sp[0])
+                    lay.from_lanes(buf["dxl"], dx[i:i + m], 0, m, gi * cg, cg, None)
+
+            _run(run, runs)
+        else:
+            buf = _buffers(shapes, dt)
+            if need_dw:
+                _run(lambda i, m, _a, _b: (
+                    lay.pad(buf["x"], x, i, m, gi * cg, cg, g.pad),
+                    lay.to_lanes(buf["dyl"], dy, i, m, gi * og, og)), _parts(n, 1))
+                parts = _parts(n, cg, geometry.SUM_PARTS)
+                starts = sorted({p[0] for p in parts})
+                sums = np.zeros((len(starts), cg) + g.kernel + (_lanes(og, dt),), dt)
+                _run(lambda i, m, c0, c1: lay.weight_gradient(
+                    sums[starts.index(i)], buf["x"], buf["dyl"], i, m, g, c0, c1), parts)
+            if dx is not None:
+                _run(lambda i, m, _a, _b: _spread(lay, buf["dyp"][i:i + m], dy[i:i + m],
+                                                  gi * og, og, g), _parts(n, 1))
+                _run(lambda i, m, r0, r1: lay.convolve(buf["dxl"], buf["dyp"], wt, i, m, gt,
+                                                       r0, r1), _parts(n, g.in_sp[0]))
+                _run(lambda i, m, _a, _b: lay.from_lanes(buf["dxl"], dx, i, m, gi * cg, cg,
+                                                         None), _parts(n, 1))
         if need_dw:
-            xp = lay.pad("direct_x", x, gi * cg, cg, g.pad)
-            dyl = lay.to_lanes("direct_y", dy, gi * og, og)
-            dw[gi * og:(gi + 1) * og] = _weight_gradient(lay, xp, dyl, g, og)
-        if dx is not None:
-            dyp = _spread(lay, dy, gi * og, og, g)
-            dxl = lay.convolve("direct_y", dyp, lay.weights(wf[gi * cg:(gi + 1) * cg]),
-                               g.in_sp, gt)
-            lay.from_lanes(dxl, dx, gi * cg, cg, None)
+            total = sums[0]
+            for part in sums[1:]:
+                total += part
+            dw[gi * og:(gi + 1) * og] = np.moveaxis(total[..., :og], -1, 0)
     return dw
 
 
-def _spread(lay, dy, first, channels, g):
-    """dy's channels padded so that dx is a stride-1 unpadded convolution of it with the
-    flipped kernel: (N, channels, H + d(k-1), W + d(k-1)). A strided layer's dy is spread
-    over its stride grid (zeros between), with the rows and columns of x that no window
+def _spread(lay, out, dy, first, channels, g):
+    """out (N, channels, H + d(k-1), W + d(k-1)) = dy's channels padded so that dx is a
+    stride-1 unpadded convolution of it with the flipped kernel. A strided layer's dy is
+    spread over its stride grid (zeros between), with the rows and columns of x that no window
     reached getting zeros at the end."""
     pads = _dx_pad(g)
     if g.stride == (1, 1):
-        return lay.pad("direct_x", dy, first, channels, pads)
-    n = dy.shape[0]
-    size = tuple(i + d * (k - 1) for i, k, d in zip(g.in_sp, g.kernel, g.dilation))
-    out = scratch("direct_x", (n, channels) + size, lay.dt)
+        lay.pad(out, dy, 0, len(dy), first, channels, pads)
+        return
     out.fill(0)
     out[(slice(None), slice(None)) + tuple(slice(p, p + (o - 1) * s + 1, s) for p, o, s in
                                            zip(pads, g.out, g.stride))] = \
         dy[:, first:first + channels]
-    return out
-
-
-def _weight_gradient(lay, xp, dyl, g, og):
-    """(O, C, KH, KW): each run of images sums its own (input channel pieces side by side),
-    then the runs' sums are added in order."""
-    n, c, hp, wp = xp.shape
-    cp = dyl.shape[-1]
-    ho, wo = g.out
-    parts = _parts(n, c, geometry.SUM_PARTS)
-    runs = sorted({p[0] for p in parts})
-    sums = np.zeros((len(runs), c) + g.kernel + (cp,), lay.dt)
-
-    def run(i, m, c0, c1):
-        lay.k.conv_direct_dw(native.ptr(xp) + i * xp.strides[0],
-                             native.ptr(dyl) + i * dyl.strides[0],
-                             native.ptr(sums) + runs.index(i) * sums.strides[0], m, c, hp, wp,
-                             cp, *g.kernel, ho, wo, *g.stride, *g.dilation, c0, c1)
-
-    _run(run, parts)
-    total = sums[0]
-    for part in sums[1:]:
-        total += part
-    return np.ascontiguousarray(np.moveaxis(total[..., :og], -1, 0))
