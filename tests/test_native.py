@@ -193,3 +193,62 @@ def test_lrn_equals_numpy(size, beta, channels, dtype, compiled):
             same(a, b)
         else:
             np.testing.assert_allclose(b, a, rtol=4 * np.finfo(dtype).eps)
+
+
+# ------------------------------------------------------------------ ReLU, Dropout
+
+@pytest.mark.parametrize("slope", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_relu_backward_equals_numpy(slope, dtype, compiled):
+    from caffepar.nn.neuron import ReLULayer
+    from caffepar.proto import caffe_pb2
+    param = caffe_pb2.LayerParameter(name="relu", type="ReLU")
+    param.relu_param.negative_slope = slope
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(700_003).astype(dtype)
+    x[:4] = [0, -0.0, np.nan, np.inf]
+    dy = rng.standard_normal(x.size).astype(dtype)
+    dy[4:6] = np.nan
+
+    def run():
+        layer = ReLULayer(param, dtype=dtype)
+        layer.neuron_setup(None, None)
+        bottom, top = _blob(x), _blob(x)
+        top.diff[...] = dy
+        layer.backward([top], [True], [bottom])
+        return bottom.diff.copy()
+
+    same(*both(run))
+
+
+@pytest.mark.parametrize("scale_train", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dropout_equals_numpy(scale_train, dtype, compiled):
+    """The same draws (one stream, whatever the chunks), masks, outputs and gradients."""
+    from caffepar import common
+    from caffepar.nn.neuron import DropoutLayer
+    from caffepar.proto import caffe_pb2
+    param = caffe_pb2.LayerParameter(name="drop", type="Dropout")
+    param.dropout_param.dropout_ratio = 0.3
+    x = np.random.default_rng(4).standard_normal((3, 300_001)).astype(dtype)
+
+    def run():
+        common.set_random_seed(11)
+        layer = DropoutLayer(param, phase=caffe_pb2.TRAIN, dtype=dtype)
+        layer.neuron_setup(None, None)
+        layer.scale_train = scale_train
+        bottom, top = _blob(x), _blob(x)
+        layer.forward([bottom], [top])
+        top.diff[...] = x[::-1]
+        layer.backward([top], [True], [bottom])
+        return top.data.copy(), layer.mask.copy(), bottom.diff.copy()
+
+    for a, b in zip(*both(run)):
+        same(a, b)
+
+
+def _blob(values):
+    from caffepar.blob import Blob
+    b = Blob(values.shape, values.dtype)
+    b.data[...] = values
+    return b

@@ -1,5 +1,5 @@
-"""Compiled kernels for the work BLAS does not do: pooling, LRN, the elementwise layers, the
-convolution engines' copies and transforms, and the solver update.
+"""Compiled kernels for the work BLAS does not do: pooling, LRN, ReLU's backward and Dropout,
+the direct convolution engine, the Winograd transforms, and the solver update.
 
 They are C (``*.c`` beside this file), compiled on first use by the machine's C compiler with
 ``-O3 -march=native`` -- code for this CPU's own instruction set (AVX2, AVX-512, ...) -- into a
@@ -53,6 +53,9 @@ SIGNATURES = {
     "solver_update": "ppppiiddidddd",
     "lrn_forward": "ppppp" + "iiii" + "ddd",
     "lrn_backward": "ppppppp" + "iiii" + "d",
+    "relu_backward": "pppid",
+    "dropout_forward": "ppppiddi",
+    "dropout_backward": "pppidi",
     "wino_input": "pp" + "i" * 10,
     "wino_output": "ppp" + "i" * 8,
     "wino_output_adjoint": "pp" + "i" * 8,

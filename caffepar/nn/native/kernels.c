@@ -33,6 +33,7 @@ typedef int64_t i64;
 #include "update.inc"
 #include "lrn.inc"
 #include "winograd.inc"
+#include "neuron.inc"
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 #include "conv.inc"
@@ -52,6 +53,7 @@ typedef int64_t i64;
 #include "update.inc"
 #include "lrn.inc"
 #include "winograd.inc"
+#include "neuron.inc"
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 #include "conv.inc"
