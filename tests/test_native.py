@@ -252,3 +252,22 @@ def _blob(values):
     b = Blob(values.shape, values.dtype)
     b.data[...] = values
     return b
+
+
+# ------------------------------------------------------------------ Caffe's Im2col layer
+
+@pytest.mark.parametrize("geometry", [((3, 3), (1, 1), (1, 1), (1, 1)),
+                                      ((2, 5), (2, 3), (0, 2), (2, 1)),
+                                      ((4, 4), (3, 1), (3, 1), (1, 1))])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_im2col_col2im_equal_numpy(geometry, dtype, compiled):
+    from caffepar.nn import conv
+    x = np.random.default_rng(5).standard_normal((2, 3, 11, 13)).astype(dtype)
+
+    def run():
+        cols = conv.im2col(x, *geometry)
+        back = conv.col2im(cols * np.float32(0.5), x.shape, *geometry)
+        return cols, back
+
+    for a, b in zip(*both(run)):
+        same(a, b)

@@ -6,13 +6,14 @@ each image's GEMM writes y (and reads dy) in place. Blocks run side by side, one
 per core with single-threaded GEMMs (``run_parts``): their GEMMs have a few dozen rows, which
 BLAS's own threads split poorly, and the copies between them then run in parallel too.
 
-Also Caffe's Im2col layer (``im2col``/``col2im``).
+Also Caffe's Im2col layer (``im2col``/``col2im``; 2-D ones on the compiled kernels).
 """
 import itertools
 import math
 
 import numpy as np
 
+from caffepar.nn import native
 from caffepar.nn.blas import blas_threads, run_parts, scratch, split_parts
 from caffepar.nn.blas import gemm_views as _gemm
 from caffepar.nn.conv import geometry
@@ -272,12 +273,33 @@ def backward(g, dy, x, w, dx, group, need_dw, need_db, dt):
     return dw, db
 
 
+def _compiled_planes(kernel, src, out_shape, g):
+    """The compiled im2col or col2im of src into a new array of out_shape, runs of the N * C
+    planes side by side; None when they do not apply (not 2-D, not a C-contiguous float
+    array)."""
+    if g.nd != 2 or src.dtype.kind != "f" or not src.flags.c_contiguous:
+        return None
+    k = native.kernels(src.dtype)
+    if k is None:
+        return None
+    out = np.empty(out_shape, src.dtype)
+    fn = getattr(k, kernel)
+    dims = (*g.in_sp, *g.kernel, *g.stride, *g.pad, *g.dilation, *g.out)
+    run_parts(lambda part: fn(native.ptr(src), native.ptr(out), part[0], part[-1] + 1, *dims),
+              split_parts(range(out_shape[0] * (src.shape[1] if kernel == "im2col"
+                                                else out_shape[1])), 4 * blas_threads()))
+    return out
+
+
 def im2col(x, kernel, stride, pad, dilation):
     """Caffe's Im2col layer: (N, C, *S) -> (N, C*prod(K), *S_out), rows ordered (c, *k)."""
     x = np.asarray(x)
     nd = x.ndim - 2
     g = geom(x.shape[2:], expand(kernel, nd, "kernel"), stride, pad, dilation)
     n, c = x.shape[:2]
+    out = _compiled_planes("im2col", x, (n, c * g.ntaps) + g.out, g)
+    if out is not None:
+        return out
     xp = np.zeros((n, c) + tuple(i + 2 * p for i, p in zip(g.in_sp, g.pad)), x.dtype)
     xp[(slice(None), slice(None)) + tuple(slice(p, p + i) for p, i in zip(g.pad, g.in_sp))] = x
     cols = np.empty((n, c) + g.kernel + g.out, x.dtype)
@@ -294,6 +316,9 @@ def col2im(cols, x_shape, kernel, stride, pad, dilation):
     nd = len(x_shape) - 2
     g = geom(x_shape[2:], expand(kernel, nd, "kernel"), stride, pad, dilation)
     n, c = x_shape[:2]
+    out = _compiled_planes("col2im", cols, tuple(x_shape), g)
+    if out is not None:
+        return out
     cv = cols.reshape((n, c) + g.kernel + g.out)
     xp = np.zeros((n, c) + tuple(i + 2 * p for i, p in zip(g.in_sp, g.pad)), cols.dtype)
     for kidx in itertools.product(*[range(k) for k in g.kernel]):

@@ -1,5 +1,6 @@
 """Compiled kernels for the work BLAS does not do: pooling, LRN, ReLU's backward and Dropout,
-the direct convolution engine, the Winograd transforms, and the solver update.
+the direct convolution engine, the Winograd transforms, Caffe's Im2col layer and the solver
+update.
 
 They are C (``*.c`` beside this file), compiled on first use by the machine's C compiler with
 ``-O3 -march=native`` -- code for this CPU's own instruction set (AVX2, AVX-512, ...) -- into a
@@ -56,6 +57,8 @@ SIGNATURES = {
     "relu_backward": "pppid",
     "dropout_forward": "ppppiddi",
     "dropout_backward": "pppidi",
+    "im2col": "pp" + "i" * 14,
+    "col2im": "pp" + "i" * 14,
     "wino_input": "pp" + "i" * 10,
     "wino_output": "ppp" + "i" * 8,
     "wino_output_adjoint": "pp" + "i" * 8,

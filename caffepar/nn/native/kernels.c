@@ -34,6 +34,7 @@ typedef int64_t i64;
 #include "lrn.inc"
 #include "winograd.inc"
 #include "neuron.inc"
+#include "im2col.inc"
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 #include "conv.inc"
@@ -54,6 +55,7 @@ typedef int64_t i64;
 #include "lrn.inc"
 #include "winograd.inc"
 #include "neuron.inc"
+#include "im2col.inc"
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 #include "conv.inc"
