@@ -99,7 +99,7 @@ class _Layout:
 
     def convolve(self, out, xp, wt, i, m, g, r0, r1):
         """Rows r0 .. r1 of out[i:i + m] (N, Ho, Wo, CP) = the forward kernel over padded
-        x (N, C, Hp, Wp) and weights (C, KH, KW, CP)."""
+        x (N, C, Hp, Wp) and weights from `weights`."""
         _, c, hp, wp = xp.shape
         _, ho, wo, cp = out.shape
         self.k.conv_direct_forward(self.image(xp, i), native.ptr(wt), self.image(out, i), m, c,
@@ -115,11 +115,14 @@ class _Layout:
                               wp, cp, *g.kernel, ho, wo, *g.stride, *g.dilation, c0, c1)
 
     def weights(self, w):
-        """(O, C, KH, KW) -> (C, KH, KW, OP), output channels zero-padded to the lanes."""
+        """(O, C, KH, KW) -> (OP / B, C, KH, KW, B): blocks of B = 2 vectors of output channels
+        (the forward kernel's register tile), zero-padded."""
         o = w.shape[0]
-        wt = np.zeros(w.shape[1:] + (_lanes(o, self.dt),), self.dt)
-        wt[..., :o] = w.transpose(1, 2, 3, 0)
-        return wt
+        block = 2 * (64 // self.isz)
+        wt = np.zeros((-(-o // block) * block,) + w.shape[1:], self.dt)
+        wt[:o] = w
+        return np.ascontiguousarray(
+            wt.reshape((-1, block) + w.shape[1:]).transpose(0, 2, 3, 4, 1))
 
 
 def _buffers(shapes, dt, n=None):

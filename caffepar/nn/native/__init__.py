@@ -82,11 +82,19 @@ def mode():
 
 
 def cache_dir():
+    """$CAFFEPAR_CACHE_DIR, else ~/.cache/caffepar (or under $XDG_CACHE_HOME); a per-user temp
+    folder when that cannot be written (a read-only home on a cluster node)."""
     root = os.environ.get("CAFFEPAR_CACHE_DIR")
-    if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                            "caffepar")
-    return Path(root)
+    if root:
+        return Path(root)
+    root = Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "caffepar"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if os.access(root, os.W_OK):
+            return root
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"caffepar-{os.getuid()}"
 
 
 def compiler():
@@ -132,11 +140,15 @@ def build(path):
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        run = subprocess.run([compiler(), *FLAGS, "-o", tmp, str(main), "-lm"],
-                             capture_output=True, text=True, timeout=600)
+        for flags in (FLAGS, [f for f in FLAGS if f != "-march=native"]):
+            run = subprocess.run([compiler(), *flags, "-o", tmp, str(main), "-lm"],
+                                 capture_output=True, text=True, timeout=600)
+            if not run.returncode:      # else a compiler without -march=native: generic code
+                break
         if run.returncode:
             lines = (run.stderr or run.stdout).strip().splitlines()
-            raise OSError(lines[0] if lines else f"{compiler()} exited {run.returncode}")
+            errors = [line for line in lines if "error" in line] or lines
+            raise OSError(errors[0] if errors else f"{compiler()} exited {run.returncode}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
