@@ -12,11 +12,11 @@ once. Loaded through ctypes, which releases the GIL during a call, so ``blas.run
 kernels on a block each side by side, as it does the GEMMs.
 
 ``CAFFEPAR_KERNELS`` selects the path: ``auto`` (default: compiled, or the NumPy code with one
-warning when no compiler works), ``native`` (compiled or an error) or ``numpy``. Elementwise
-kernels (ReLU, Dropout, the solver update, LRN) compute exactly what the NumPy code computes,
-operation by operation (``-ffp-contract=off`` keeps the compiler from fusing multiply-adds);
-kernels that add several values into one (pooling backward, col2im) may add them in another
-order.
+warning when no compiler works), ``native`` (compiled or an error) or ``numpy``;
+``CAFFEPAR_CFLAGS`` adds compiler flags. Pooling, LRN, ReLU, Dropout, Im2col and the solver
+update compute exactly what the NumPy code computes, operation by operation and in the same
+order (``-ffp-contract=off`` keeps the compiler from fusing multiply-adds); the convolution
+kernels sum in their own order, as every engine does.
 """
 import contextlib
 import ctypes
@@ -97,6 +97,12 @@ def cache_dir():
     return Path(tempfile.gettempdir()) / f"caffepar-{os.getuid()}"
 
 
+def flags():
+    """The compiler flags: FLAGS, then $CAFFEPAR_CFLAGS (e.g. -march=haswell builds AVX2 code
+    on an AVX-512 host, as for a cluster of older nodes)."""
+    return FLAGS + os.environ.get("CAFFEPAR_CFLAGS", "").split()
+
+
 def compiler():
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or "cc"
 
@@ -127,7 +133,7 @@ def library_path():
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = "none"
-    for part in (cc, version, " ".join(FLAGS), platform.machine(), _cpu_flags()):
+    for part in (cc, version, " ".join(flags()), platform.machine(), _cpu_flags()):
         h.update(part.encode() + b"\0")
     return cache_dir() / f"kernels-{h.hexdigest()[:20]}.so"
 
@@ -140,8 +146,8 @@ def build(path):
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        for flags in (FLAGS, [f for f in FLAGS if f != "-march=native"]):
-            run = subprocess.run([compiler(), *flags, "-o", tmp, str(main), "-lm"],
+        for options in (flags(), [f for f in flags() if f != "-march=native"]):
+            run = subprocess.run([compiler(), *options, "-o", tmp, str(main), "-lm"],
                                  capture_output=True, text=True, timeout=600)
             if not run.returncode:      # else a compiler without -march=native: generic code
                 break
