@@ -19,6 +19,7 @@ with the figures: figures taken under load are marked as such.
 """
 import argparse
 import csv
+import gc
 import os
 import platform
 import re
@@ -83,25 +84,18 @@ def caffepar_step(name, batch):
             first)
 
 
-def caffepar_time(name, iterations):
-    """`caffepar time` on the net's prototxt as a callable returning its average
-    forward-backward ms."""
-    from caffepar.graph.net import TRAIN, Net
-    from caffepar.timing import benchmark
-    net = Net(str(model_path(name)), phase=TRAIN)
-    benchmark(net, 1)
-    return lambda: float(np.mean(benchmark(net, iterations).iteration_ms))
-
-
-def caffe_time(caffe, name, iterations):
-    """`caffe time` on the same prototxt in a subprocess, as a callable returning its average
-    forward-backward ms."""
+def time_command(command, name, iterations):
+    """`caffepar time` or `caffe time` (command: the program and its spelling of the flags) on
+    the net's prototxt in a subprocess, as a callable returning its average forward-backward
+    ms: the same prototxt, and each side in a process of its own."""
     def run():
-        out = subprocess.run([caffe, "time", "-model", str(model_path(name)), "-iterations",
-                              str(iterations)], capture_output=True, text=True, cwd=ROOT)
+        out = subprocess.run(command + ["time", "-model", str(model_path(name)),
+                                        "-iterations", str(iterations)],
+                             capture_output=True, text=True, cwd=ROOT)
         found = re.search(r"Average Forward-Backward: ([\d.]+) ms", out.stderr + out.stdout)
         if not found:
-            raise SystemExit(f"caffe time failed on {name}: {(out.stderr or out.stdout)[-500:]}")
+            raise SystemExit(f"{command[-1]} time failed on {name}: "
+                             f"{(out.stderr or out.stdout)[-500:]}")
         return float(found.group(1))
     return run
 
@@ -232,9 +226,10 @@ def main():
         batch = NETS[name]
         ours_step, update, solver, flops, first = caffepar_step(name, batch)
         steps = [ours_step] + ([torch_step(name, batch, threads)] if have_torch else [])
-        timers = [caffepar_time(name, TIME_ITERATIONS[name])]
+        timers = [time_command([sys.executable, "-m", "caffepar.cli"], name,
+                               TIME_ITERATIONS[name])]
         if args.caffe:
-            timers.append(caffe_time(args.caffe, name, TIME_ITERATIONS[name]))
+            timers.append(time_command([args.caffe], name, TIME_ITERATIONS[name]))
         step_s = [np.inf] * len(steps)
         fb_ms = [np.inf] * len(timers)
         for _ in range(args.rounds):        # alternating: every side in every round
@@ -253,6 +248,8 @@ def main():
               f"{row['vs_pytorch']:>7.2f}{row['caffepar_fb_ms']:>9.1f}{row['caffe_fb_ms']:>9.1f}"
               f"{row['vs_caffe']:>7.2f}{row['sgemm_pct']:>8.0f}%{update_ms:>8.1f}", flush=True)
         print(f"{'':14}engines: {row['engines']} (first iteration {first:.1f} s)", flush=True)
+        del ours_step, update, solver, steps        # one net's memory at a time
+        gc.collect()
     pool = pool1_ms(args.rounds)
     load_end = os.getloadavg()[0]
     print(f"\ncifar10_quick pool1 (MAX 3x3/2, 100x32x32x32) forward + backward: {pool:.2f} ms")
