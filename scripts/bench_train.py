@@ -18,11 +18,13 @@ update alone, and the engine each convolution runs on. The machine's load averag
 with the figures: figures taken under load are marked as such.
 """
 import argparse
+import atexit
 import csv
 import gc
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -203,6 +205,7 @@ def main():
     args = ap.parse_args()
     if not args.keep_engines:
         os.environ["CAFFEPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="caffepar-bench-")
+        atexit.register(shutil.rmtree, os.environ["CAFFEPAR_CACHE_DIR"], True)
     from bench_layers import fastest, sgemm_rate
     from caffepar.nn import native
     threads = int(os.environ.get("OPENBLAS_NUM_THREADS", os.cpu_count() or 1))

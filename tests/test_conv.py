@@ -514,7 +514,8 @@ def test_engine_measured_once_and_cached(tmp_path, monkeypatch, kernel_path):
     """With CAFFEPAR_CONV_ENGINES=measure the first run of a shape times every engine able to
     run it and keeps the fastest in the cache; later lookups, in this process or another, read
     it. An engine's name forces it where it applies; "rules" takes the fixed thresholds."""
-    from caffepar.nn.conv import calibrate, dispatch
+    from caffepar.nn import calibrate
+    from caffepar.nn.conv import dispatch
     monkeypatch.setenv("CAFFEPAR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "measure")
     monkeypatch.setattr(calibrate, "_chosen", {})

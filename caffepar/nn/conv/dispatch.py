@@ -4,8 +4,9 @@ import threading
 
 import numpy as np
 
+from caffepar.nn import calibrate
 from caffepar.nn.blas import blas_threads
-from caffepar.nn.conv import band, calibrate, cols, direct, grid, pointwise, winograd
+from caffepar.nn.conv import band, cols, direct, grid, pointwise, winograd
 from caffepar.nn.conv.geometry import expand, flipped_geom, flipped_weights, geom
 
 def rule_engine(g, cg, og, group):

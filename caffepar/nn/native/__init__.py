@@ -1,6 +1,6 @@
-"""Compiled kernels for the work BLAS does not do: pooling, LRN, ReLU's backward and Dropout,
-the direct convolution engine, the Winograd transforms, Caffe's Im2col layer and the solver
-update.
+"""Compiled kernels for the work BLAS does not do (or does poorly): pooling, LRN, ReLU's
+backward and Dropout, the direct convolution engine, the Winograd transforms, Caffe's Im2col
+layer, InnerProduct on a small batch and the solver update.
 
 They are C (``*.c`` beside this file), compiled on first use by the machine's C compiler with
 ``-O3 -march=native`` -- code for this CPU's own instruction set (AVX2, AVX-512, ...) -- into a
@@ -62,6 +62,8 @@ SIGNATURES = {
     "wino_input": "pp" + "i" * 10,
     "wino_output": "ppp" + "i" * 8,
     "wino_output_adjoint": "pp" + "i" * 8,
+    "ip_forward": "pppp" + "i" * 5,
+    "ip_backward_data": "ppp" + "i" * 5,
     "conv_pad": "pp" + "i" * 8,
     "conv_to_lanes": "pp" + "i" * 6,
     "conv_from_lanes": "ppp" + "i" * 6,

@@ -38,6 +38,7 @@ typedef int64_t i64;
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 #include "conv.inc"
+#include "inner_product.inc"
 #pragma GCC pop_options
 #undef T
 #undef TI
@@ -59,6 +60,7 @@ typedef int64_t i64;
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 #include "conv.inc"
+#include "inner_product.inc"
 #pragma GCC pop_options
 #undef T
 #undef TI

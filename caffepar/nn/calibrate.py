@@ -1,16 +1,18 @@
-"""Engine choice by measurement: the first time a convolution shape runs on a machine, each
-engine able to run it is timed (forward + backward, on random data of the layer's shape) and the
-fastest is kept, in memory and in a per-user cache file (next to the compiled kernels), so later
-runs and other processes pick it without measuring.
+"""Engine choice by measurement: the first time a layer shape runs on a machine, each engine
+able to run it (a convolution's, or BLAS vs the compiled kernels for a small-batch
+InnerProduct) is timed on random data of the layer's shape, and the fastest is kept, in memory
+and in a per-user cache file (next to the compiled kernels), so later runs and other processes
+pick it without measuring.
 
 A rule tuned on one CPU is only a guess on another (a 13x13 layer, a 64-channel one, an AVX2
-host with a slower BLAS): measuring on the machine at hand holds everywhere. The cache file's
-name is a hash of everything the timing depends on -- the CPU, the engine code, the BLAS, the
-kernel path -- and each entry's key holds the thread count too.
+host with a slower BLAS, a BLAS that does not know the CPU): measuring on the machine at hand
+holds everywhere. The cache file's name is a hash of everything the timing depends on -- the
+CPU, the engine code, the BLAS, the kernel path -- and each entry's key holds the thread count
+too.
 
-``CAFFEPAR_CONV_ENGINES`` selects: ``measure`` (default), ``rules`` (the fixed thresholds of
-``dispatch.rule_engine``, no timing; the test suite uses it) or one engine's name (every shape it
-can run goes to it; benchmarks use it).
+``CAFFEPAR_CONV_ENGINES`` selects: ``measure`` (default), ``rules`` (fixed thresholds, no
+timing; the test suite uses it) or a convolution engine's name (every shape it can run goes to
+it; benchmarks use it).
 """
 import contextlib
 import fcntl
@@ -52,7 +54,8 @@ _paths = {}     # the settings it depends on -> cache file path
 def _hashed_path(native):
     h = hashlib.sha256()
     here = Path(__file__).resolve().parent
-    for p in sorted(here.glob("*.py")) + native._sources():
+    for p in (sorted(here.glob("conv/*.py")) + [here / "inner_product.py", Path(__file__)]
+              + native._sources()):
         h.update(p.name.encode() + b"\0" + p.read_bytes())
     for part in (native._cpu_flags(), native.mode(), np.__version__,
                  os.environ.get("CAFFEPAR_BLAS", "")):
