@@ -119,13 +119,12 @@ def choose(key, candidates, timing, describe):
         with _measurement():
             start = time.perf_counter()
             run = timing()
-            times = {}
-            for e in candidates:
-                run(e)                                  # warm: buffers, caches, first touches
-                times[e] = _timed(run, e)
-            # Alternating rounds over the ones within 2x of the best (a busy spell on a shared
-            # machine then hits them alike), and a last look at the two best when close.
-            for _ in range(ROUNDS - 1):
+            # A first run of each (its first touches of buffers count against it: a slow one
+            # is out anyway), then alternating rounds over the ones within 2x of the best (a
+            # busy spell on a shared machine hits them alike), and a last look at the two best
+            # when close.
+            times = {e: _timed(run, e) for e in candidates}
+            for _ in range(ROUNDS):
                 best = min(times.values())
                 for e in [e for e in candidates if times[e] < 2 * best]:
                     times[e] = min(times[e], _timed(run, e))
