@@ -141,26 +141,32 @@ def library_path():
 
 
 def build(path):
-    """Compile the sources into `path` (atomically); returns the seconds it took."""
+    """Compile the sources into `path` (atomically), the float and double kernels side by side;
+    returns the seconds it took."""
     path.parent.mkdir(parents=True, exist_ok=True)
     main = SOURCES / "kernels.c"
     start = time.perf_counter()
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=path.parent) as tmp:
+        lib = os.path.join(tmp, path.name)
         for options in (flags(), [f for f in flags() if f != "-march=native"]):
-            run = subprocess.run([compiler(), *options, "-o", tmp, str(main), "-lm"],
-                                 capture_output=True, text=True, timeout=600)
-            if not run.returncode:      # else a compiler without -march=native: generic code
+            objects = [os.path.join(tmp, f"{part}.o") for part in ("f32", "f64")]
+            jobs = [subprocess.Popen([compiler(), *options, "-c", f"-DONLY_{part.upper()}",
+                                      "-o", obj, str(main)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+                    for part, obj in zip(("f32", "f64"), objects)]
+            outputs = [job.communicate(timeout=600)[0] for job in jobs]
+            failed = [out for job, out in zip(jobs, outputs) if job.returncode]
+            if not failed:      # else a compiler without -march=native: generic code
                 break
-        if run.returncode:
-            lines = (run.stderr or run.stdout).strip().splitlines()
+        if not failed:
+            link = subprocess.run([compiler(), *options, "-o", lib, *objects, "-lm"],
+                                  capture_output=True, text=True, timeout=600)
+            failed = [link.stderr or link.stdout] if link.returncode else []
+        if failed:
+            lines = failed[0].strip().splitlines()
             errors = [line for line in lines if "error" in line] or lines
-            raise OSError(errors[0] if errors else f"{compiler()} exited {run.returncode}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+            raise OSError(errors[0] if errors else f"{compiler()} failed")
+        os.replace(lib, path)
     return time.perf_counter() - start
 
 

@@ -1,5 +1,6 @@
 /* caffepar's compiled kernels: every *.inc file is compiled once per element type, T = float
- * (names ending _f32) and T = double (_f64). Built by caffepar/nn/native/__init__.py. */
+ * (names ending _f32) and T = double (_f64). Built by caffepar/nn/native/__init__.py, the two
+ * types side by side (-DONLY_F32, -DONLY_F64) and linked into one library. */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -24,6 +25,7 @@ typedef int64_t i64;
 /* The other kernels repeat the NumPy code's roundings exactly (the build passes
  * -ffp-contract=off); the convolution kernels sum in their own order anyway, so they may fuse
  * multiply-adds. */
+#ifndef ONLY_F64
 #define T float
 #define TI int32_t
 #define SQRT sqrtf
@@ -45,7 +47,9 @@ typedef int64_t i64;
 #undef SQRT
 #undef POW
 #undef SUFFIX
+#endif
 
+#ifndef ONLY_F32
 #define T double
 #define TI int64_t
 #define SQRT sqrt
@@ -67,3 +71,4 @@ typedef int64_t i64;
 #undef SQRT
 #undef POW
 #undef SUFFIX
+#endif
