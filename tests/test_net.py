@@ -87,6 +87,8 @@ def test_in_place_inputs_outputs_and_backward_rule():
     assert not need["side"], "a layer that feeds no loss does not run backward"
     assert net.bottom_need_backward[net.layer_index("loss")] == [True, False]
     assert net.bottom_need_backward[net.layer_index("ip")] == [False]
+    for i, layer in enumerate(net.layers):        # the layers' hint (a conv picks its engine)
+        assert layer.bottom_need_diff == net.bottom_need_backward[i]
 
 
 def test_force_backward_and_propagate_down():
@@ -101,6 +103,7 @@ def test_force_backward_and_propagate_down():
     """
     net = Net(P(text.replace("{force}", "force_backward: true").replace("{pd}", "")), TRAIN)
     assert net.bottom_need_backward[net.layer_index("ip")] == [True]
+    assert net.layers[net.layer_index("ip")].bottom_need_diff == [True]
     assert net.bottom_need_backward[net.layer_index("loss")] == [True, False]
     net = Net(P(text.replace("{force}", "").replace(
         "{pd}", "propagate_down: false propagate_down: false")), TRAIN)

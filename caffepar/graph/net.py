@@ -196,6 +196,8 @@ class Net:
                     need or layer.allow_force_backward(j)
                     for j, need in enumerate(self.bottom_need_backward[i])]
                 layer.param_propagate_down = [True] * len(layer.blobs)
+        for i, layer in enumerate(self.layers):
+            layer.bottom_need_diff = self.bottom_need_backward[i]
 
     def _share_params(self):
         """Resolve ParamSpec names, then move every learnable blob into the flat buffers."""

@@ -66,6 +66,10 @@ class Layer:
         self.blobs = []
         self.param_propagate_down = []
         self.loss_weights = []
+        # Which bottoms the net will want a diff for (set by the net; None: unknown). Only a
+        # hint for work a layer can choose how to do (a convolution's engine); backward's
+        # propagate_down decides.
+        self.bottom_need_diff = None
 
     def error(self, message, hint=None):
         return LayerError(message, layer=self.name, layer_type=self.param.type,

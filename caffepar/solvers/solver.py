@@ -13,6 +13,7 @@ from caffepar import common
 from caffepar.errors import SolverError
 from caffepar.graph.net import TEST, TRAIN
 from caffepar.io.weights import save_caffemodel, save_caffemodel_hdf5
+from caffepar.nn import native
 from caffepar.nn.blas import run_parts, scratch, split_parts
 from caffepar.proto import caffe_pb2
 from caffepar.proto.text import read_net_text, read_solver_text
@@ -544,6 +545,11 @@ class Solver:
         chunks = [(i, start, min(start + CHUNK, blob.count))
                   for i, blob in enumerate(params) for start in range(0, blob.count, CHUNK)]
         n_work = max(1, self.rule.num_scratch)
+        kernels = native.kernels(net.param_data.dtype)
+        if kernels is not None:
+            self._apply_update_compiled(kernels, params, chunks, rate)
+            self.iter += 1
+            return
 
         def run(chunks):
             work = [scratch(f"update{k}", (CHUNK,), net.param_data.dtype) for k in range(n_work)]
@@ -562,6 +568,31 @@ class Solver:
 
         run_parts(run, split_parts(chunks))
         self.iter += 1
+
+    def _apply_update_compiled(self, kernels, params, chunks, rate):
+        """The same per chunk, each chunk one pass of the compiled update (bit for bit the
+        NumPy steps')."""
+        p, net = self.param, self.net
+        f = net.param_data.dtype.type
+        n_params = len(params)
+        calls = []
+        for i, blob in enumerate(params):
+            decay = f(p.weight_decay) * f(net.decay_mults[i][0])
+            kind = _rules.regularization_code(p.regularization_type) if decay else 0
+            args = self.rule.kernel_args(f(rate) * f(net.lr_mults[i][0]), self.iter)
+            arrays = [blob.diff, blob.data] + [self.history[s * n_params + i]
+                                               for s in range(self.rule.num_history)]
+            calls.append(([native.ptr(a) for a in arrays], arrays[0].itemsize,
+                          (float(decay), kind) + args))
+
+        def run(chunks):
+            for i, start, stop in chunks:
+                ptrs, size, args = calls[i]
+                at = [q + start * size for q in ptrs] + [0] * (4 - len(ptrs))
+                kernels.solver_update(*at, stop - start, self.rule.code, 1.0 / p.iter_size,
+                                      *args)
+
+        run_parts(run, split_parts(chunks))
 
     # ------------------------------------------------------------------ snapshots
     def snapshot_filename(self, extension):
