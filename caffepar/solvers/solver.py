@@ -597,6 +597,14 @@ class Solver:
     def snapshot_history(self):
         return self.history
 
+    def snapshot_comm_state(self):
+        """Every rank's gradient residual and thresholds (top-k sparsification), for the
+        state file: ([], []) when there are none."""
+        return [], []
+
+    def restore_comm_state(self, state, path):
+        """Take this rank's residual and thresholds back from a read solver state."""
+
     def history_part(self, index, values):
         """This process's part of history blob `index` read from a solver state."""
         target = self.history[index]
@@ -621,10 +629,12 @@ class Solver:
 
     def snapshot_solver_state(self, model_filename):
         record, positions = self._resume_record()
+        residual, threshold = self.snapshot_comm_state()
         state = _snap.SolverStateData(iter=self.iter, learned_net=model_filename,
                                       current_step=self.current_step,
                                       history=self.snapshot_history(),
-                                      data_position=positions, rng_state=record)
+                                      data_position=positions, rng_state=record,
+                                      gradient_residual=residual, gradient_threshold=threshold)
         if self.param.snapshot_format == HDF5:
             path = self.snapshot_filename(".solverstate.h5")
             log.info("Snapshotting solver state to HDF5 file %s", path)
@@ -673,6 +683,7 @@ class Solver:
             layer = self.net.layer_dict.get(name)
             if layer is not None and callable(getattr(layer, "set_state", None)):
                 layer.set_state(layer_state)
+        self.restore_comm_state(state, path)
         for net in self.test_nets:
             net.share_with(self.net)
         return state

@@ -1,0 +1,316 @@
+"""Reduction of a data-parallel run's replicated gradients (the region net.param_diff[:
+net.replicated_count]) over the ranks, as the run's CommOptions ask.
+
+Plain (no option): one blocking allreduce after backward, exactly as before any option existed.
+Otherwise the region is cut into buckets (buckets.py) and each bucket's reduction is a small
+program that posts non-blocking collectives one stage after another: an allreduce; or, top-k,
+an allgather of pair counts then of (index, value) pairs; or, hierarchical, a reduce-scatter in
+the node, an allreduce of the shards across nodes and an allgather in the node. With overlap a
+bucket's program starts as soon as backward has passed its last layer, and a progress thread
+tests the requests in flight (MPI only moves a non-blocking collective along inside MPI calls),
+so the transfer runs while backward computes the layers below.
+
+Each stage kind has its own communicator and every rank posts a communicator's collectives in
+bucket order, whichever thread posts them, as MPI requires.
+"""
+import threading
+import time
+
+import numpy as np
+
+from caffepar.logs import LOGGER
+from caffepar.parallel.buckets import (detect_alexnet_like, describe_buckets, fixed_buckets,
+                                       layer_buckets, one_bucket, split_buckets, gradient_units)
+from caffepar.parallel.plan import shard_rows
+from caffepar.parallel.topk import TopK
+
+PROFILE_START = 1
+PROFILE_ITERATIONS = 3
+"""Backward times are profiled on iterations 1-3 of a run (0 warms up) when buckets depend on
+them (overlap without a fixed size, merge auto)."""
+POLL_SECONDS = 0.0005
+TAG = "DATA params"
+
+
+class _Flight:
+    """One bucket's reduction in progress."""
+
+    def __init__(self, bucket, program, clock):
+        self.bucket = bucket
+        self.program = program
+        self.stage = 0
+        self.done = False
+        self.posted = clock()
+        self.finished = None
+        self.request = None
+
+    def step(self, clock):
+        """Run the program to its next collective; False once it has finished."""
+        try:
+            self.request = next(self.program)
+            self.stage += 1
+            return True
+        except StopIteration:
+            self.done = True
+            self.finished = clock()
+            return False
+
+
+class GradientSync:
+    """Sums the replicated gradients over the ranks; a net observer (layer_start/layer_end)
+    so that it can start buckets during backward."""
+
+    def __init__(self, net, comm, options, planner=None, timeline=None, clock=time.perf_counter):
+        self.net, self.comm, self.options = net, comm, options
+        self.timeline = timeline
+        self.clock = clock
+        self.grad = net.param_diff[:net.replicated_count]
+        self.plain = options.plain or comm.size == 1
+        self.plan_buckets = planner
+        self.iteration = 0
+        self.armed = False
+        self.reductions = 0
+        self.totals = {"iterations": 0, "comm_s": 0.0, "exposed_s": 0.0, "sparsify_s": 0.0,
+                       "bytes": 0}
+        if self.plain:
+            return
+        self.units = gradient_units(net)
+        self.topk = None
+        if options.hierarchical:
+            node, across = comm.node_groups(options.ranks_per_node)
+            self.comms = [node.dup(), across, node.dup()]
+            self.program = self._hierarchical
+        elif options.topk:
+            self.comms = [comm.dup(), comm.dup()]
+            self.topk = TopK(self.units, self.grad.size, options.topk, options.topk_refresh,
+                             self.grad.dtype)
+            self.program = self._topk
+        else:
+            self.comms = [comm.dup()]
+            self.program = self._allreduce
+        itemsize = self.grad.dtype.itemsize
+        if options.bucket_mb:
+            self.buckets = fixed_buckets(self.units, options.bucket_mb * 2 ** 20, itemsize)
+        elif options.overlap:
+            self.buckets = layer_buckets(self.units)
+        else:
+            self.buckets = one_bucket(self.units)
+        self.profiling = options.overlap and not options.bucket_mb
+        self.backward_s = np.zeros(len(net.layers))
+        self._started = 0.0
+        self.flights = []
+        self.posted = 0
+        self.sparsify_s = 0.0
+        self.sent = 0
+        self.error = None
+        self.lock = threading.Condition()
+        self.thread = None
+        if options.overlap and _threads_allowed():
+            self.thread = threading.Thread(target=self._progress, name="caffepar-mpi-progress",
+                                           daemon=True)
+            self.thread.start()
+        if comm.rank == 0:
+            LOGGER.info(f"Gradient reduction: {options.describe()}; buckets "
+                        f"{describe_buckets(self.buckets, itemsize)}")
+
+    # ---- the solver's side
+    def begin_pass(self, iteration, armed):
+        """A forward/backward pass of `iteration` starts; `armed`: its backward completes the
+        gradients (the last of iter_size passes), so buckets may start during it."""
+        self.iteration = iteration
+        self.armed = armed and not self.plain and self.options.overlap
+
+    def finish(self):
+        """Return once the region holds the sum over ranks (every bucket reduced)."""
+        if self.plain:
+            self.comm.allreduce_sum(self.grad, tag=TAG)
+            return
+        t0 = self.clock()
+        sparsify_before = self.sparsify_s
+        with self.lock:
+            self._post_ready(-1)
+            while self.flights and not self.flights[-1].done:
+                first = next(f for f in self.flights if not f.done)
+                first.request.wait()
+                self._advance()
+        t1 = self.clock()
+        if self.error is not None:
+            raise self.error
+        exposed = t1 - t0 - (self.sparsify_s - sparsify_before)
+        if self.timeline is not None:
+            self.timeline.span("wait for gradients", "wait", 1, t0, t1)
+        self._account(exposed)
+        self.armed = False
+        self.reductions += 1
+        if self.profiling:
+            self._profile_step()
+
+    # ---- net observer
+    def layer_start(self, kind, i):
+        if kind == "backward":
+            self._started = self.clock()
+
+    def layer_end(self, kind, i):
+        if kind != "backward":
+            return
+        if self.profiling:
+            self.backward_s[i] += self.clock() - self._started
+        if self.armed:
+            with self.lock:
+                if self._post_ready(i):
+                    self._advance()
+                    self.lock.notify()
+
+    # ---- buckets in flight
+    def _post_ready(self, done_layer):
+        """Start every bucket whose gradients are complete once backward has finished layer
+        `done_layer` (-1: all); True if any started."""
+        started = False
+        while self.posted < len(self.buckets) and self.buckets[self.posted].ready >= done_layer:
+            bucket = self.buckets[self.posted]
+            flight = _Flight(bucket, self.program(bucket), self.clock)
+            self.flights.append(flight)
+            self.posted += 1
+            if not flight.step(self.clock):
+                self._finished(flight)
+            started = True
+        return started
+
+    def _advance(self):
+        """Move every flight whose request has completed to its next stage, never ahead of
+        the bucket before it (collective order)."""
+        previous = None
+        for flight in self.flights:
+            if not flight.done and (previous is None or previous.done or
+                                    previous.stage > flight.stage):
+                if flight.request.test() and not flight.step(self.clock):
+                    self._finished(flight)
+            previous = flight
+
+    def _finished(self, flight):
+        if self.timeline is not None:
+            b = flight.bucket
+            self.timeline.collective(f"{self.program.__name__.strip('_')} {b.name}",
+                                     flight.posted, flight.finished,
+                                     {"layers": [u.layer for u in b.units],
+                                      "bytes": int(b.count * self.grad.itemsize)})
+
+    def _progress(self):
+        while True:
+            with self.lock:
+                while not (self.flights and not self.flights[-1].done and self.error is None):
+                    self.lock.wait()
+                try:
+                    self._advance()
+                except Exception as e:      # reported by the main thread in finish()
+                    self.error = e
+            time.sleep(POLL_SECONDS)
+
+    # ---- reduction programs: generators yielding one request per stage
+    def _allreduce(self, bucket):
+        view = self.grad[bucket.lo:bucket.hi]
+        self.sent += view.nbytes
+        yield self.comms[0].iallreduce_sum(view)
+
+    def _hierarchical(self, bucket):
+        node, across, node_again = self.comms
+        view = self.grad[bucket.lo:bucket.hi]
+        counts, offsets = shard_rows(view.size, node.size)
+        lo, n = int(offsets[node.rank]), int(counts[node.rank])
+        shard = np.empty(n, view.dtype)
+        self.sent += view.nbytes + 2 * shard.nbytes
+        yield node.ireduce_scatter_sum(view, shard, counts)
+        yield across.iallreduce_sum(shard)
+        view[lo:lo + n] = shard
+        yield node_again.iallgatherv_inplace(view, counts)
+
+    def _topk(self, bucket):
+        t0 = self.clock()
+        count, pairs = self.topk.select(self.grad, bucket, self.iteration)
+        self.sparsify_s += self.clock() - t0
+        mine = np.array([count], np.int64)
+        counts = np.empty(self.comm.size, np.int64)
+        self.sent += mine.nbytes + pairs.nbytes
+        yield self.comms[0].iallgather(mine, counts)
+        sizes = counts * (1 + self.topk.words)
+        gathered = np.empty(int(sizes.sum()), np.int32)
+        yield self.comms[1].iallgatherv(pairs, gathered, sizes)
+        self.topk.scatter(self.grad, bucket, gathered, counts)
+
+    # ---- accounting and planning
+    def _account(self, exposed):
+        spans = sorted((f.posted, f.finished) for f in self.flights)
+        busy, end = 0.0, -np.inf
+        for t0, t1 in spans:
+            busy += max(0.0, t1 - max(t0, end))
+            end = max(end, t1)
+        t = self.totals
+        t["iterations"] += 1
+        t["comm_s"] += busy
+        t["exposed_s"] += exposed
+        t["sparsify_s"] += self.sparsify_s
+        t["bytes"] += self.sent
+        self.comm.stats.add((TAG, self.program.__name__.strip("_")), exposed, self.sent)
+        self.flights, self.posted, self.sparsify_s, self.sent = [], 0, 0.0, 0
+
+    def take_totals(self):
+        """Per-iteration means since the last call: comm (time some bucket was in flight),
+        exposed (time the solver waited for gradients), sparsify seconds, bytes sent."""
+        t = self.totals
+        n = max(t["iterations"], 1)
+        out = {k: v / n for k, v in t.items() if k != "iterations"}
+        out["iterations"] = t["iterations"]
+        for k in t:
+            t[k] = 0 if k in ("iterations", "bytes") else 0.0
+        return out
+
+    def _profile_step(self):
+        if self.reductions == PROFILE_START:
+            self.backward_s[...] = 0
+        if self.reductions < PROFILE_START + PROFILE_ITERATIONS:
+            return
+        self.profiling = False
+        backward_ms = self.backward_s * 1e3 / PROFILE_ITERATIONS
+        plan = None
+        if self.comm.rank == 0:
+            plan = self._plan(backward_ms)
+        plan = self.comm.bcast_object(plan)
+        names = {u.layer: u for u in self.units}
+        from caffepar.parallel.buckets import Bucket
+        self.buckets = [Bucket([names[n] for n in group]) for group in plan]
+        if self.comm.rank == 0:
+            LOGGER.info(f"Buckets from a {PROFILE_ITERATIONS}-iteration profile: "
+                        f"{describe_buckets(self.buckets, self.grad.itemsize)}")
+
+    def _plan(self, backward_ms):
+        """Rank 0's bucket plan (unit names per bucket) from profiled backward times."""
+        net = self.net
+        if self.plan_buckets is not None:
+            buckets = self.plan_buckets(self.units, backward_ms)
+        else:
+            detection = detect_alexnet_like([l.name for l in net.layers], backward_ms,
+                                            layer_parameters(net, self.comm.size))
+            LOGGER.info(f"Net is {detection.describe()}")
+            buckets = split_buckets(self.units, detection.split_index) \
+                if detection.alexnet_like else layer_buckets(self.units)
+        return [[u.layer for u in b.units] for b in buckets]
+
+
+def layer_parameters(net, ranks=1):
+    """Parameters of every layer of `net` (whole-size for model-parallel shards)."""
+    out = []
+    for layer in net.layers:
+        count = 0
+        for k, blob in enumerate(layer.blobs):
+            shape = layer.full_shape(k) if getattr(layer, "sharded", False) else blob.shape
+            count += int(np.prod(shape))
+        out.append(count)
+    return out
+
+
+def _threads_allowed():
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return False
+    return MPI.Is_initialized() and MPI.Query_thread() == MPI.THREAD_MULTIPLE
