@@ -200,6 +200,10 @@ def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_e
         raise click.UsageError("give --weights or --snapshot, not both "
                                "(Caffe: snapshot restores the weights too)")
     comm_flags = _comm_flags(ranks, comm_flags)
+    if ranks and ranks > 1:
+        from caffepar.proto.text import read_solver_text
+        from caffepar.training import comm_options
+        comm_options(read_solver_text(solver), solver, comm_flags, ranks)
     _relaunch_if_asked(ctx, ranks, threads, mpiexec)
     comm = world_comm()
     ctx.obj["comm"] = comm

@@ -50,8 +50,13 @@ class CommOptions:
                     self.hierarchical)
 
     def with_flags(self, **flags):
-        """These options with every flag that was given (not None / not False) on top."""
+        """These options with every flag that was given (not None / not False) on top; a
+        fixed bucket size and merge auto replace each other."""
         given = {k: v for k, v in flags.items() if v is not None and v is not False}
+        if "merge" in given:
+            given.setdefault("bucket_mb", None)
+        if "bucket_mb" in given:
+            given.setdefault("merge", None)
         options = replace(self, **given)
         if options.merge:
             options = replace(options, overlap=True)
@@ -135,3 +140,10 @@ def options_from_solver(param, path=None):
                             line=_line_of(path, proto_names[conflict[0]]))
     return options
 
+
+def check_against_ranks(options, ranks, path=None):
+    """ranks_per_node must divide the number of ranks (PrototxtError at the solver's line)."""
+    if options.ranks_per_node:
+        message = bad_ranks_per_node(options.ranks_per_node, ranks)
+        if message:
+            raise PrototxtError(message, path=path, line=_line_of(path, "ranks_per_node"))
