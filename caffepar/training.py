@@ -158,6 +158,8 @@ def run_training(solver_path, weights=None, snapshot=None, iterations=None, leve
     def on_iteration(info):
         row = {"iter": info["iter"], "loss": info.get("loss"), "lr": info.get("lr"),
                "seconds": info.get("seconds"), "data_wait_s": info.get("data_wait")}
+        if "grad_bytes" in info:
+            row["grad_bytes"] = info["grad_bytes"]     # replicated gradients, sent by this rank
         row.update({f"test/{k}": v for k, v in info.get("test", {}).items()})
         if csv is not None:
             csv.add(row)

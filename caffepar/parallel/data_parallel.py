@@ -147,6 +147,8 @@ class ParallelSolverMixin:
         self._passes = 0
         if comm.size > 1:
             self.sync.finish()
+            if self._row is not None:
+                self._row["grad_bytes"] = self.sync.last_bytes
             net.param_diff *= net.param_diff.dtype.type(1.0 / comm.size)
             self._clip_global()
             display = self.param.display
@@ -164,7 +166,7 @@ class ParallelSolverMixin:
         layers_s = sum(v[0] for (tag, _op), v in stats.items()
                        if tag not in ("DATA params", "outputs"))
         LOGGER.info(f"    comm: {seconds * 1e3:.1f} ms, {mb:.1f} MB since the last display "
-                    f"(gradient allreduce {reduce_s * 1e3:.1f} ms, model-parallel layers "
+                    f"(gradient reduction {reduce_s * 1e3:.1f} ms, model-parallel layers "
                     f"{layers_s * 1e3:.1f} ms)")
 
     def _clip_global(self):

@@ -70,6 +70,7 @@ class GradientSync:
         self.iteration = 0
         self.armed = False
         self.reductions = 0
+        self.last_bytes = 0
         self.totals = {"iterations": 0, "comm_s": 0.0, "exposed_s": 0.0, "sparsify_s": 0.0,
                        "bytes": 0}
         if self.plain:
@@ -124,6 +125,7 @@ class GradientSync:
         """Return once the region holds the sum over ranks (every bucket reduced)."""
         if self.plain:
             self.comm.allreduce_sum(self.grad, tag=TAG)
+            self.last_bytes = self.grad.nbytes
             return
         t0 = self.clock()
         sparsify_before = self.sparsify_s
@@ -251,6 +253,7 @@ class GradientSync:
         t["sparsify_s"] += self.sparsify_s
         t["bytes"] += self.sent
         self.comm.stats.add((TAG, self.program.__name__.strip("_")), exposed, self.sent)
+        self.last_bytes = self.sent
         self.flights, self.posted, self.sparsify_s, self.sent = [], 0, 0.0, 0
 
     def take_totals(self):
