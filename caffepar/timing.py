@@ -79,7 +79,7 @@ def benchmark(net, iterations, progress=None, comm=None, options=None):
         for (tag, _op), (seconds, nbytes, _calls) in comm.stats.take().items():
             result.comm_ms[tag] = result.comm_ms.get(tag, 0.0) + seconds * 1e3 / iterations
             result.comm_mb[tag] = result.comm_mb.get(tag, 0.0) + nbytes / 2 ** 20 / iterations
-    if sync is not None and not sync.plain:
+    if sync is not None:
         result.reduction = sync.take_totals()
         result.options = options.describe()
     if timeline is not None:
@@ -109,9 +109,10 @@ def format_benchmark(net, result):
                      "MB.")
         if result.reduction:
             r = result.reduction
+            selection = f", top-k selection {r['sparsify_s'] * 1e3:.4f} ms" \
+                if r["sparsify_s"] else ""
             lines.append(f"    ({result.options}: {r['comm_s'] * 1e3:.4f} ms in flight, "
-                         f"{r['exposed_s'] * 1e3:.4f} ms waited for, top-k selection "
-                         f"{r['sparsify_s'] * 1e3:.4f} ms)")
+                         f"{r['exposed_s'] * 1e3:.4f} ms waited for{selection})")
         lines.append(f"Average communication ({result.ranks} ranks): {comm_ms:.4f} ms, "
                      f"{comm_mb:.3f} MB per iteration.")
     lines += [f"Average Forward-Backward: {np.mean(result.iteration_ms):.4f} ms.",

@@ -216,7 +216,7 @@ class ParallelSolverMixin:
 
     # ---- top-k state: every rank's residual and thresholds, in rank order
     def snapshot_comm_state(self):
-        topk = self.sync.topk if not self.sync.plain else None
+        topk = self.sync.topk
         if topk is None:
             return [], []
         comm = self.comm
@@ -229,7 +229,7 @@ class ParallelSolverMixin:
         return out[0], out[1]
 
     def restore_comm_state(self, state, path):
-        topk = self.sync.topk if not self.sync.plain else None
+        topk = self.sync.topk
         residuals, thresholds = state.gradient_residual, state.gradient_threshold
         if topk is None:
             if residuals:

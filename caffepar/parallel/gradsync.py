@@ -73,10 +73,10 @@ class GradientSync:
         self.last_bytes = 0
         self.totals = {"iterations": 0, "comm_s": 0.0, "exposed_s": 0.0, "sparsify_s": 0.0,
                        "bytes": 0}
+        self.topk = None
         if self.plain:
             return
         self.units = gradient_units(net)
-        self.topk = None
         if options.hierarchical:
             node, across = comm.node_groups(options.ranks_per_node)
             self.comms = [node.dup(), across, node.dup()]
@@ -103,6 +103,7 @@ class GradientSync:
         self.posted = 0
         self.sparsify_s = 0.0
         self.sent = 0
+        self.shards = {}
         self.error = None
         self.lock = threading.Condition()
         self.thread = None
@@ -124,8 +125,11 @@ class GradientSync:
     def finish(self):
         """Return once the region holds the sum over ranks (every bucket reduced)."""
         if self.plain:
+            t0 = self.clock()
             self.comm.allreduce_sum(self.grad, tag=TAG)
+            spent = self.clock() - t0
             self.last_bytes = self.grad.nbytes
+            self._add_totals(spent, spent, 0.0, self.grad.nbytes)
             return
         t0 = self.clock()
         sparsify_before = self.sparsify_s
@@ -170,7 +174,7 @@ class GradientSync:
         started = False
         while self.posted < len(self.buckets) and self.buckets[self.posted].ready >= done_layer:
             bucket = self.buckets[self.posted]
-            flight = _Flight(bucket, self.program(bucket), self.clock)
+            flight = _Flight(bucket, self.program(bucket, self._prepare(bucket)), self.clock)
             self.flights.append(flight)
             self.posted += 1
             if not flight.step(self.clock):
@@ -209,27 +213,49 @@ class GradientSync:
             time.sleep(POLL_SECONDS)
 
     # ---- reduction programs: generators yielding one request per stage
-    def _allreduce(self, bucket):
+    def _prepare(self, bucket):
+        """Computation before a bucket's communication (top-k's selection), not counted as
+        communication time: (pair count, pairs) for top-k, else None."""
+        if self.topk is None:
+            return None
+        t0 = self.clock()
+        selected = self.topk.select(self.grad, bucket, self.iteration)
+        self.sparsify_s += self.clock() - t0
+        return selected
+
+    def _allreduce(self, bucket, _prepared):
         view = self.grad[bucket.lo:bucket.hi]
         self.sent += view.nbytes
         yield self.comms[0].iallreduce_sum(view)
 
-    def _hierarchical(self, bucket):
+    def _hierarchical(self, bucket, _prepared):
         node, across, node_again = self.comms
         view = self.grad[bucket.lo:bucket.hi]
+        if node.size == 1 or across.size == 1:
+            # One rank per node: an allreduce across; one node: one inside it.
+            group = across if node.size == 1 else node_again
+            self.sent += view.nbytes
+            yield group.iallreduce_sum(view)
+            return
         counts, offsets = shard_rows(view.size, node.size)
         lo, n = int(offsets[node.rank]), int(counts[node.rank])
-        shard = np.empty(n, view.dtype)
+        shard = self._shard(n, view.dtype)
         self.sent += view.nbytes + 2 * shard.nbytes
         yield node.ireduce_scatter_sum(view, shard, counts)
         yield across.iallreduce_sum(shard)
         view[lo:lo + n] = shard
         yield node_again.iallgatherv_inplace(view, counts)
 
-    def _topk(self, bucket):
-        t0 = self.clock()
-        count, pairs = self.topk.select(self.grad, bucket, self.iteration)
-        self.sparsify_s += self.clock() - t0
+    def _shard(self, n, dtype):
+        """A work array of n values, reused across iterations (a fresh one would pay its page
+        faults every time)."""
+        key = (n, dtype.str)
+        if key not in self.shards:
+            self.shards[key] = np.empty(n, dtype)
+        return self.shards[key]
+
+    def _topk(self, bucket, prepared):
+        count, pairs = prepared
         mine = np.array([count], np.int64)
         counts = np.empty(self.comm.size, np.int64)
         self.sent += mine.nbytes + pairs.nbytes
@@ -246,15 +272,18 @@ class GradientSync:
         for t0, t1 in spans:
             busy += max(0.0, t1 - max(t0, end))
             end = max(end, t1)
-        t = self.totals
-        t["iterations"] += 1
-        t["comm_s"] += busy
-        t["exposed_s"] += exposed
-        t["sparsify_s"] += self.sparsify_s
-        t["bytes"] += self.sent
+        self._add_totals(busy, exposed, self.sparsify_s, self.sent)
         self.comm.stats.add((TAG, self.program.__name__.strip("_")), exposed, self.sent)
         self.last_bytes = self.sent
         self.flights, self.posted, self.sparsify_s, self.sent = [], 0, 0.0, 0
+
+    def _add_totals(self, comm_s, exposed_s, sparsify_s, nbytes):
+        t = self.totals
+        t["iterations"] += 1
+        t["comm_s"] += comm_s
+        t["exposed_s"] += exposed_s
+        t["sparsify_s"] += sparsify_s
+        t["bytes"] += nbytes
 
     def take_totals(self):
         """Per-iteration means since the last call: comm (time some bucket was in flight),

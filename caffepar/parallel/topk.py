@@ -20,31 +20,46 @@ class TopK:
         self.residual = np.zeros(size, dtype)
         self.words = np.dtype(dtype).itemsize // 4     # int32 words per value in a pair
         self.threshold = np.full(len(self.units), np.nan, np.float64)
+        self.magnitude = np.empty(0, dtype)
+        self.above = np.empty(0, bool)
 
     def select(self, grad, bucket, iteration):
-        """Sparsify the bucket's units of the flat gradient `grad`, updating the residual:
-        returns (pair count, int32 [indices relative to bucket.lo ..., values' bits ...])."""
+        """Sparsify the bucket's units of the flat gradient `grad` (left as it was): the
+        residual takes the gradient, gives up the values sent and keeps the rest. Returns
+        (pair count, int32 [indices relative to bucket.lo ..., values' bits ...])."""
         lo = bucket.lo
         refresh = iteration % self.refresh == 0
         picked, values = [], []
         for u in bucket.units:
-            acc = grad[u.lo:u.hi]
-            residual = self.residual[u.lo:u.hi]
-            acc += residual
-            magnitude = np.abs(acc)
+            acc = self.residual[u.lo:u.hi]
+            acc += grad[u.lo:u.hi]
+            magnitude, above = self._work(u.count)
             slot = self.slot[u.layer]
             if refresh or np.isnan(self.threshold[slot]):
                 k = max(1, math.ceil(self.ratio * u.count))
-                self.threshold[slot] = np.partition(magnitude, u.count - k)[u.count - k]
+                np.abs(acc, out=magnitude)
+                magnitude.partition(u.count - k)
+                self.threshold[slot] = magnitude[u.count - k]
             threshold = self.threshold[slot]
-            keep = np.flatnonzero(magnitude >= threshold if threshold > 0 else magnitude > 0)
-            residual[...] = acc
-            residual[keep] = 0
-            picked.append(keep + (u.lo - lo))
+            np.abs(acc, out=magnitude)
+            if threshold > 0:
+                np.greater_equal(magnitude, threshold, out=above)
+            else:
+                np.greater(magnitude, 0, out=above)
+            keep = np.flatnonzero(above)
             values.append(acc[keep])
+            acc[keep] = 0
+            picked.append(keep + (u.lo - lo))
         index = np.concatenate(picked).astype(np.int32)
         value = np.concatenate(values)
         return index.size, np.concatenate([index, value.view(np.int32)])
+
+    def _work(self, n):
+        """Work arrays for n magnitudes and flags, kept between iterations."""
+        if self.magnitude.size < n:
+            self.magnitude = np.empty(n, self.residual.dtype)
+            self.above = np.empty(n, bool)
+        return self.magnitude[:n], self.above[:n]
 
     def scatter(self, grad, bucket, gathered, counts):
         """The bucket's dense sum over ranks from every rank's pairs (in rank order)."""

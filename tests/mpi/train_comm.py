@@ -56,7 +56,7 @@ def train(comm, folder, name, batch, label, options, resume=None, **kw):
     param, plan = param_for(folder, name, batch, prefix, **kw)
     solver = make_parallel_solver(param, comm, planner=plan, options=CommOptions(**options))
     solver.solve(resume_file=resume)
-    totals = solver.sync.take_totals() if not solver.sync.plain else {}
+    totals = solver.sync.take_totals()
     return solver, totals
 
 
@@ -106,7 +106,7 @@ def main():
     for name in NETS:
         for label, options in comm_configs(comm.size).items():
             _solver, totals = train(comm, folder, name, batch, label, options)
-            summary["bytes"][f"{name}/{label}"] = totals.get("bytes")
+            summary["bytes"][f"{name}/{label}"] = totals["bytes"]
         _solver, totals = train(comm, folder, name, batch, "topk", TOPK, snapshot=RESUME_AT)
         summary["bytes"][f"{name}/topk"] = totals["bytes"]
         summary[f"{name}/topk_check"], summary[f"{name}/topk_bytes"] = \
