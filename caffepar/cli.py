@@ -320,7 +320,11 @@ def data_mean(db, out, backend):
               help="Parameter count above which hybrid runs an InnerProduct MODEL.")
 @click.option("--phase", type=click.Choice(["TRAIN", "TEST"], case_sensitive=False),
               default="TRAIN", show_default=True)
-def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase):
+@click.option("--profile", "profile_iterations", default=0, show_default=True,
+              type=click.IntRange(min=0),
+              help="Time this many forward/backward passes here and say whether the net is "
+                   "AlexNet-like (seed 004) and where it splits.")
+def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase, profile_iterations):
     """Print each parameterised layer's parallel mode and why."""
     from caffepar.graph.net import Net
     from caffepar.parallel.plan import format_plan, make_plan
@@ -329,6 +333,15 @@ def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase):
     batch = next((b.shape[0] for n, b in net.blobs.items() if n in net.inputs or n == "data"),
                  None)
     click.echo(format_plan(plans, ranks, batch))
+    if profile_iterations:
+        from caffepar.parallel.buckets import detect_alexnet_like
+        from caffepar.parallel.gradsync import layer_parameters
+        from caffepar.timing import benchmark
+        result = benchmark(net, profile_iterations)
+        detection = detect_alexnet_like([l.name for l in net.layers], result.backward_ms,
+                                        layer_parameters(net))
+        click.echo(f"Backward profile ({profile_iterations} iteration(s) in this process, "
+                   f"{result.backward_ms.sum():.1f} ms): {detection.describe()}")
 
 
 @cli.group("convert")

@@ -227,15 +227,17 @@ def test_fixed_buckets_fill_to_the_size_in_backward_order():
     assert [[u.layer for u in b.units] for b in buckets] == [["c", "b"], ["a"]]
     assert [(b.lo, b.hi) for b in buckets] == [(units[1].lo, units[0].hi),
                                                (units[2].lo, units[2].hi)]
-    assert [[u.layer for u in b.units] for b in split_buckets(units, 1)] == [["c", "b"], ["a"]]
+    assert [[u.layer for u in b.units] for b in split_buckets(units, 2)] == [["c", "b"], ["a"]]
 
 
 def test_alexnet_like_rule():
     names = ["data", "conv1", "conv2", "fc6", "fc7", "loss"]
     params = [0, 1000, 3000, 50000, 40000, 0]
     got = detect_alexnet_like(names, [0, 40, 45, 5, 3, 0.5], params)
-    # From the top: 0.5 + 3 + 5 = 8.5 of 93.5 ms, then conv2 passes 10%; conv1 holds 1%.
-    assert got.alexnet_like and got.split == "conv2" and got.top_layers == ["fc6", "fc7"]
+    # From the top: 0.5 + 3 + 5 = 8.5 of 93.5 ms, then conv2 passes 10% (layer p, the last of
+    # the FC part); the layers below it, conv1, hold 1%.
+    assert got.alexnet_like and got.split == "conv2"
+    assert got.top_layers == ["conv2", "fc6", "fc7"]
     assert got.bottom_param_share == pytest.approx(1000 / 94000)
     heavy_bottom = detect_alexnet_like(names, [0, 40, 45, 5, 3, 0.5],
                                        [0, 20000, 3000, 50000, 40000, 0])
@@ -283,3 +285,55 @@ def test_options_merge_flags_over_the_prototxt():
     assert options.merge == "auto" and options.overlap and options.bucket_mb is None
     assert options.topk == pytest.approx(0.01) and options.topk_refresh == 10
     assert CommOptions().with_flags(overlap=None).plain
+
+
+def test_modelled_iteration_by_hand():
+    from caffepar.parallel.buckets import Bucket, Unit
+    from caffepar.parallel.schedule import model_iteration
+    # Layers 0..3; units on layers 3 (top) and 1; backward 1 ms per layer, forward 2 ms.
+    top, low = Unit("top", 3, 10, 20, 3), Unit("low", 1, 0, 10, 1)
+    backward = [0.001] * 4
+    per_layer = [Bucket([top]), Bucket([low])]
+    comm = {"top": 0.0025, "low": 0.0005, "top+low": 0.0027}
+
+    def comm_s(bucket):
+        return comm["+".join(u.layer for u in bucket.units)]
+
+    # top ready at 3 ms, sent 3..5.5; low ready at 5 ms, sent 5.5..6; backward ends at 6.
+    got = model_iteration(0.002, backward, 0.0001, per_layer, comm_s)
+    assert got.iteration_s == pytest.approx(0.0061)
+    assert got.comm_s == pytest.approx(0.003) and got.exposed_s == pytest.approx(0.0)
+    # Without overlap both follow backward: 6 + 2.5 + 0.5.
+    got = model_iteration(0.002, backward, 0.0001, per_layer, comm_s, overlap=False)
+    assert got.iteration_s == pytest.approx(0.0091) and got.exposed_s == pytest.approx(0.003)
+    # One bucket: sent after layer 1, 5 + 2.7 = 7.7 ms.
+    got = model_iteration(0.002, backward, 0.0001, [Bucket([top, low])], comm_s)
+    assert got.iteration_s == pytest.approx(0.0078) and got.exposed_s == pytest.approx(0.0017)
+    # A 0.5 ms preparation per bucket delays the layers below it.
+    got = model_iteration(0.002, backward, 0.0001, per_layer, comm_s,
+                          prepare_s=lambda b: 0.0005)
+    assert got.iteration_s == pytest.approx(0.0071)
+
+
+def test_optimal_merge_merges_only_when_it_pays():
+    from caffepar.parallel.buckets import Unit
+    from caffepar.parallel.schedule import model_iteration, optimal_merge
+    units = [Unit(f"l{i}", i, 100 * i, 100 * (i + 1), i) for i in range(5, -1, -1)]
+    backward = [0.001] * 6
+
+    def costs(latency):
+        return lambda b: latency + 1e-6 * b.count
+
+    # Big startup latency: sending everything at once is best.
+    merged = optimal_merge(units, 0.0, backward, 0.0, costs(0.01))
+    assert len(merged) == 1
+    # No latency and bandwidth slower than backward: nothing to gain by merging.
+    apart = optimal_merge(units, 0.0, backward, 0.0, costs(0.0))
+    assert len(apart) == len(units)
+    # In between, never worse than either extreme.
+    cost = costs(0.0004)
+    mid = optimal_merge(units, 0.0, backward, 0.0, cost)
+    t = model_iteration(0.0, backward, 0.0, mid, cost).iteration_s
+    assert t <= model_iteration(0.0, backward, 0.0, merged, cost).iteration_s
+    assert t <= model_iteration(0.0, backward, 0.0, apart, cost).iteration_s
+    assert [u.layer for b in mid for u in b.units] == [u.layer for u in units]

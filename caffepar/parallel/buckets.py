@@ -104,17 +104,19 @@ def fixed_buckets(units, bucket_bytes, itemsize=4):
 
 
 def split_buckets(units, split_index):
-    """Two buckets: the units of layers above layer `split_index`, then the rest."""
-    top = [u for u in units if u.index > split_index]
-    rest = [u for u in units if u.index <= split_index]
+    """Two buckets: the units of layers from the top down to layer `split_index`, then the
+    rest."""
+    top = [u for u in units if u.index >= split_index]
+    rest = [u for u in units if u.index < split_index]
     return [Bucket(part) for part in (top, rest) if part]
 
 
 @dataclass
 class AlexNetLike:
-    """Seed 004's detection on a profile: `split` is the layer where backward time, summed
-    from the top layer down, first passes 10% of the total; the net is AlexNet-like when the
-    layers below it hold < 10% of the parameters."""
+    """Seed 004's detection on a profile: `split` (layer p) is the layer where backward time,
+    summed from the top layer down, first passes 10% of the total; the net is AlexNet-like
+    when the layers below p hold < 10% of the parameters. The layers from the top down to p
+    are then its FC part, the rest its convolution part."""
     alexnet_like: bool
     split: str
     split_index: int
@@ -127,8 +129,8 @@ class AlexNetLike:
         return (f"{verdict}: backward from the top passes {100 * ALEXNET_SHARE:.0f}% of its time "
                 f"at {self.split} ({100 * self.top_time_share:.1f}% up to and including it); the "
                 f"layers below {self.split} hold {100 * self.bottom_param_share:.1f}% of the "
-                f"parameters" + (f"; {', '.join(self.top_layers)} form the FC part, their "
-                                 "gradients sent while the layers below run backward"
+                f"parameters" + (f"; {', '.join(self.top_layers)} form the FC part, whose "
+                                 "gradients are sent while the layers below run backward"
                                  if self.alexnet_like else ""))
 
 
@@ -146,7 +148,7 @@ def detect_alexnet_like(names, backward_ms, params):
             split = i
             break
     bottom = params[:split].sum() / total_params
-    top = [names[i] for i in range(split + 1, len(names)) if params[i]]
+    top = [names[i] for i in range(split, len(names)) if params[i]]
     return AlexNetLike(bool(bottom < ALEXNET_SHARE), names[split], split,
                        float(acc / total_time) if total_time else 0.0, float(bottom), top)
 

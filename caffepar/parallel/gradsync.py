@@ -19,8 +19,9 @@ import time
 import numpy as np
 
 from caffepar.logs import LOGGER
-from caffepar.parallel.buckets import (detect_alexnet_like, describe_buckets, fixed_buckets,
-                                       layer_buckets, one_bucket, split_buckets, gradient_units)
+from caffepar.parallel.buckets import (Bucket, describe_buckets, detect_alexnet_like,
+                                       fixed_buckets, gradient_units, layer_buckets, one_bucket,
+                                       split_buckets)
 from caffepar.parallel.plan import shard_rows
 from caffepar.parallel.topk import TopK
 
@@ -308,7 +309,6 @@ class GradientSync:
             plan = self._plan(backward_ms)
         plan = self.comm.bcast_object(plan)
         names = {u.layer: u for u in self.units}
-        from caffepar.parallel.buckets import Bucket
         self.buckets = [Bucket([names[n] for n in group]) for group in plan]
         if self.comm.rank == 0:
             LOGGER.info(f"Buckets from a {PROFILE_ITERATIONS}-iteration profile: "
@@ -321,14 +321,14 @@ class GradientSync:
             buckets = self.plan_buckets(self.units, backward_ms)
         else:
             detection = detect_alexnet_like([l.name for l in net.layers], backward_ms,
-                                            layer_parameters(net, self.comm.size))
+                                            layer_parameters(net))
             LOGGER.info(f"Net is {detection.describe()}")
             buckets = split_buckets(self.units, detection.split_index) \
                 if detection.alexnet_like else layer_buckets(self.units)
         return [[u.layer for u in b.units] for b in buckets]
 
 
-def layer_parameters(net, ranks=1):
+def layer_parameters(net):
     """Parameters of every layer of `net` (whole-size for model-parallel shards)."""
     out = []
     for layer in net.layers:
