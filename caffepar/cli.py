@@ -324,24 +324,31 @@ def data_mean(db, out, backend):
               type=click.IntRange(min=0),
               help="Time this many forward/backward passes here and say whether the net is "
                    "AlexNet-like (seed 004) and where it splits.")
-def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase, profile_iterations):
+@click.option("--batch", default=None, type=click.IntRange(min=1),
+              help="Profile at this batch per rank (default: the prototxt's).")
+def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase, profile_iterations,
+             batch):
     """Print each parameterised layer's parallel mode and why."""
     from caffepar.graph.net import Net
     from caffepar.parallel.plan import format_plan, make_plan
     net = Net(model, phase=_phase(phase))
     plans = make_plan(net, _planner(default, model_parallel, mp_threshold), net.source_map)
-    batch = next((b.shape[0] for n, b in net.blobs.items() if n in net.inputs or n == "data"),
-                 None)
-    click.echo(format_plan(plans, ranks, batch))
+    net_batch = next((b.shape[0] for n, b in net.blobs.items()
+                      if n in net.inputs or n == "data"), None)
+    click.echo(format_plan(plans, ranks, batch or net_batch))
     if profile_iterations:
+        from caffepar.graph.passes import with_batch
         from caffepar.parallel.buckets import detect_alexnet_like
         from caffepar.parallel.gradsync import layer_parameters
         from caffepar.timing import benchmark
+        if batch and batch != net_batch:
+            net = Net(with_batch(net.param, batch), phase=_phase(phase))
         result = benchmark(net, profile_iterations)
         detection = detect_alexnet_like([l.name for l in net.layers], result.backward_ms,
                                         layer_parameters(net))
-        click.echo(f"Backward profile ({profile_iterations} iteration(s) in this process, "
-                   f"{result.backward_ms.sum():.1f} ms): {detection.describe()}")
+        click.echo(f"Backward profile ({profile_iterations} iteration(s) in this process at "
+                   f"batch {batch or net_batch}, {result.backward_ms.sum():.1f} ms): "
+                   f"{detection.describe()}")
 
 
 @cli.group("convert")

@@ -337,3 +337,30 @@ def test_optimal_merge_merges_only_when_it_pays():
     assert t <= model_iteration(0.0, backward, 0.0, merged, cost).iteration_s
     assert t <= model_iteration(0.0, backward, 0.0, apart, cost).iteration_s
     assert [u.layer for b in mid for u in b.units] == [u.layer for u in units]
+
+
+def test_with_batch_sets_every_input_and_data_layer():
+    from caffepar.graph.passes import with_batch
+    net = _net_param("""
+        input: "x" input_shape { dim: 5 dim: 3 }
+        layer { name: "in" type: "Input" top: "y" input_param { shape { dim: 5 dim: 2 } } }
+        layer { name: "d" type: "DummyData" top: "z" dummy_data_param { shape { dim: 5 } } }
+        layer { name: "db" type: "Data" top: "w" data_param { source: "s" batch_size: 5 } }
+    """)
+    out = with_batch(net, 12)
+    assert out.input_shape[0].dim[:] == [12, 3]
+    assert out.layer[0].input_param.shape[0].dim[:] == [12, 2]
+    assert out.layer[1].dummy_data_param.shape[0].dim[:] == [12]
+    assert out.layer[2].data_param.batch_size == 12
+    assert net.layer[2].data_param.batch_size == 5 and with_batch(out, 12) == out
+
+
+def test_plan_profile_reports_the_alexnet_rule(capsys):
+    from caffepar.cli import main
+    model = Path(__file__).resolve().parents[1] / "models/cifar10_quick/train_val_dummy.prototxt"
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--model", str(model), "--profile", "1", "--batch", "4"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert out.startswith("Backward profile (1 iteration(s) in this process at batch 4, ")
+    assert "AlexNet-like: backward from the top passes 10% of its time at " in out
