@@ -55,6 +55,9 @@ def comm_options(fn):
         click.option("--topk-refresh", type=int, default=None,
                      callback=_check(o.bad_refresh),
                      help="Recompute exact top-k thresholds every S iterations (default 10)."),
+        click.option("--momentum-correction", is_flag=True, default=None,
+                     help="With --topk and momentum SGD: each rank's residual accumulates its "
+                          "velocity (momentum and weight decay included), as DGC does."),
         click.option("--hierarchical", is_flag=True, default=None,
                      help="Reduce-scatter in each node, allreduce across nodes, allgather "
                           "in the node."),
@@ -75,8 +78,9 @@ def _comm_flags(ranks, flags):
     """The comm flags given on the command line (name -> value), checked against each other
     and against --np."""
     given = {k: v for k, v in flags.items() if v is not None}
-    if "topk_refresh" in given and "topk" not in given:
-        raise click.UsageError("--topk-refresh needs --topk")
+    for name in ("topk_refresh", "momentum_correction"):
+        if name in given and "topk" not in given:
+            raise click.UsageError(f"--{name.replace('_', '-')} needs --topk")
     if "ranks_per_node" in given and "hierarchical" not in given:
         raise click.UsageError("--ranks-per-node needs --hierarchical")
     if "bucket_mb" in given and "merge" in given:

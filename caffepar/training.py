@@ -102,12 +102,14 @@ def _snapshot_exists(solver):
 def comm_options(param, solver_path, comm_flags, ranks):
     """The run's CommOptions: the solver's comm_param with the command line's flags on top."""
     from caffepar.errors import SolverError
-    from caffepar.parallel.options import check_against_ranks, options_from_solver
+    from caffepar.parallel.options import (check_against_ranks, check_solver,
+                                           options_from_solver)
     options = options_from_solver(param, solver_path).with_flags(**(comm_flags or {}))
     conflict = options.conflicts()
     if conflict:
         raise SolverError(f"comm_param and the command line: {conflict[1]}", path=solver_path)
     check_against_ranks(options, ranks, solver_path)
+    check_solver(options, param, solver_path)
     if ranks == 1 and not options.plain:
         LOGGER.info(f"One rank: no gradients to communicate ({options.describe()} unused)")
     return options

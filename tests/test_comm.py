@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "mpi"))
 from nets import NETS, solver_param, write_data  # noqa: E402
 from test_parallel import MPIEXEC, run_mpi, weights  # noqa: E402
-from train_comm import ITERATIONS, NET_MODES, RESUME_AT, comm_configs  # noqa: E402
+from train_comm import ITERATIONS, RESUMED, comm_configs  # noqa: E402
 
 M = 4
 RTOL, ATOL = 1e-5, 1e-6
@@ -76,7 +76,7 @@ def test_topk_sums_every_ranks_top_k(runs, ranks, name):
 
 @needs_mpi
 @pytest.mark.parametrize("name", sorted(NETS))
-@pytest.mark.parametrize("variant", ["topk", "topk_h5"])
+@pytest.mark.parametrize("variant", sorted(RESUMED))
 def test_topk_snapshot_resumes_exactly(runs, name, variant):
     folder = runs[0]
     ext = ".caffemodel.h5" if variant.endswith("h5") else ".caffemodel"
@@ -150,6 +150,7 @@ def _train(args):
     (["--hierarchical", "--ranks-per-node", "0"], "ranks per node must be >= 1, got 0"),
     (["--ranks-per-node", "2"], "--ranks-per-node needs --hierarchical"),
     (["--topk-refresh", "5"], "--topk-refresh needs --topk"),
+    (["--momentum-correction"], "--momentum-correction needs --topk"),
     (["--bucket-mb", "25", "--merge", "auto"], "not both"),
     (["--topk", "0.01", "--hierarchical"], "does not combine"),
     (["--merge", "manual"], "'manual' is not 'auto'"),
@@ -170,6 +171,8 @@ def test_bad_option_values_are_usage_errors(tmp_path, args, message):
     ("hierarchical: true\n  ranks_per_node: 3", 5,
      "ranks per node (3) must divide the number of ranks (2)"),
     ("bucket_mb: 4\n  merge: AUTO", 4, "give a fixed bucket size or --merge auto, not both"),
+    ("topk_ratio: 0.01\n  momentum_correction: true", None,
+     "momentum correction needs the SGD solver with momentum > 0 (this one: SGD, momentum 0)"),
 ])
 def test_bad_prototxt_values_name_file_and_line(tmp_path, monkeypatch, capsys, setting, line,
                                                 message):
@@ -182,7 +185,8 @@ def test_bad_prototxt_values_name_file_and_line(tmp_path, monkeypatch, capsys, s
     assert exit_.value.code == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith(f"caffepar: solver.prototxt:{line}: error: ")
+    where = f"solver.prototxt:{line}:" if line else "solver.prototxt:"
+    assert lines[0].startswith(f"caffepar: {where} error: ")
     assert message in lines[0]
 
 

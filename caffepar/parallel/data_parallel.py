@@ -16,9 +16,10 @@ from caffepar.graph.net import Net
 from caffepar.logs import LOGGER
 from caffepar.parallel.gradsync import GradientSync
 from caffepar.parallel.model_parallel import layer_factory
-from caffepar.parallel.options import options_from_solver
+from caffepar.parallel.options import check_solver, options_from_solver
 from caffepar.parallel.plan import MODEL, Planner
 from caffepar.proto.upgrade import upgrade_solver
+from caffepar.solvers import rules as _rules
 from caffepar.solvers.solver import SOLVERS
 
 
@@ -102,7 +103,12 @@ class ParallelSolverMixin:
             _AveragedOutputs(test_net, comm)
         self.writes_files = comm.rank == 0
         self._learnable_layers = self._owner_layers()
-        self.sync = GradientSync(net, comm, options, timeline=timeline)
+        correction = None
+        if options.momentum_correction:
+            check_solver(options, self.param, source)
+            correction = (self.param.momentum, self._add_decay)
+        self.sync = GradientSync(net, comm, options, timeline=timeline,
+                                 momentum_correction=correction)
         if not self.sync.plain:
             net.observers.append(self.sync)
         self._passes = 0
@@ -149,6 +155,10 @@ class ParallelSolverMixin:
             self.sync.finish()
             if self._row is not None:
                 self._row["grad_bytes"] = self.sync.last_bytes
+            if self._corrected():
+                # The velocity is in the reduced values: the solver's momentum would count it
+                # twice.
+                self.history_data[0][:net.replicated_count] = 0
             net.param_diff *= net.param_diff.dtype.type(1.0 / comm.size)
             self._clip_global()
             display = self.param.display
@@ -214,6 +224,27 @@ class ParallelSolverMixin:
         self.comm.barrier()
         return result
 
+    # ---- top-k's momentum correction: momentum and weight decay move into the residual
+    def _corrected(self):
+        return self.sync.topk is not None and self.sync.topk.velocity is not None
+
+    def _add_decay(self, values, lo, hi):
+        """Add the update's weight decay of replicated parameters [lo, hi) to `values`
+        (scaled by iter_size, as the solver divides the reduced gradient by it)."""
+        net, p = self.net, self.param
+        f = net.param_data.dtype.type
+        for j, blob in enumerate(net.learnable_params):
+            a, b = max(lo, net.param_offsets[j]), min(hi, net.param_offsets[j] + blob.count)
+            decay = f(p.weight_decay) * f(net.decay_mults[j][0]) * f(p.iter_size)
+            if a < b and b <= net.replicated_count and decay:
+                _rules.regularize(values[a - lo:b - lo], net.param_data[a:b], decay,
+                                  p.regularization_type, np.empty(b - a, values.dtype))
+
+    def local_decay(self, i):
+        if self._corrected() and self.net.param_offsets[i] < self.net.replicated_count:
+            return self.net.param_data.dtype.type(0)
+        return super().local_decay(i)
+
     # ---- top-k state: every rank's residual and thresholds, in rank order
     def snapshot_comm_state(self):
         topk = self.sync.topk
@@ -239,7 +270,7 @@ class ParallelSolverMixin:
         if not residuals:
             return
         size = topk.residual.size
-        if any(r.size != size for r in residuals):
+        if any(r.size not in (size, 2 * size) for r in residuals):
             raise SolverError(f"gradient residuals have {residuals[0].size} values, this "
                               f"net's replicated parameters {size}", path=path)
         if len(residuals) == self.comm.size:

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from caffepar.errors import CaffeparError
 from caffepar.logs import LOGGER
 from caffepar.parallel.buckets import (Bucket, describe_buckets, detect_alexnet_like,
                                        fixed_buckets, gradient_units, layer_buckets, one_bucket,
@@ -61,7 +62,9 @@ class GradientSync:
     """Sums the replicated gradients over the ranks; a net observer (layer_start/layer_end)
     so that it can start buckets during backward."""
 
-    def __init__(self, net, comm, options, planner=None, timeline=None, clock=time.perf_counter):
+    def __init__(self, net, comm, options, planner=None, timeline=None, clock=time.perf_counter,
+                 momentum_correction=None):
+        """momentum_correction: (momentum, add_decay) for top-k's momentum correction."""
         self.net, self.comm, self.options = net, comm, options
         self.timeline = timeline
         self.clock = clock
@@ -84,8 +87,13 @@ class GradientSync:
             self.program = self._hierarchical
         elif options.topk:
             self.comms = [comm.dup(), comm.dup()]
+            if options.momentum_correction and momentum_correction is None:
+                raise CaffeparError("momentum correction needs a solver's momentum "
+                                    "(caffepar train)")
+            momentum, add_decay = momentum_correction if options.momentum_correction \
+                else (0.0, None)
             self.topk = TopK(self.units, self.grad.size, options.topk, options.topk_refresh,
-                             self.grad.dtype)
+                             self.grad.dtype, momentum, add_decay)
             self.program = self._topk
         else:
             self.comms = [comm.dup()]

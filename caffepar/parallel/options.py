@@ -39,6 +39,7 @@ class CommOptions:
     merge: str = None
     topk: float = None
     topk_refresh: int = 10
+    momentum_correction: bool = False
     hierarchical: bool = False
     ranks_per_node: int = None
     timeline: str = None
@@ -69,6 +70,8 @@ class CommOptions:
         if self.topk and self.hierarchical:
             return "hierarchical", ("top-k exchanges index/value pairs with allgather; it does "
                                     "not combine with the hierarchical allreduce")
+        if self.momentum_correction and not self.topk:
+            return "momentum_correction", "momentum correction is part of top-k (--topk)"
         if self.ranks_per_node and not self.hierarchical:
             return "ranks_per_node", "ranks per node is an option of the hierarchical reduction"
         return None
@@ -83,7 +86,8 @@ class CommOptions:
             parts.append(f"merge {self.merge}")
         if self.topk:
             parts.append(f"top-k {self.topk:g} (thresholds every {self.topk_refresh} "
-                         "iterations)")
+                         "iterations" + (", momentum correction" if self.momentum_correction
+                                         else "") + ")")
         if self.hierarchical:
             nodes = f"{self.ranks_per_node} ranks per node" if self.ranks_per_node \
                 else "nodes by shared memory"
@@ -93,6 +97,7 @@ class CommOptions:
 
 _FIELDS = {"overlap": "overlap", "bucket_mb": "bucket_mb", "merge": "merge",
            "topk_ratio": "topk", "topk_refresh": "topk_refresh",
+           "momentum_correction": "momentum_correction",
            "hierarchical": "hierarchical", "ranks_per_node": "ranks_per_node",
            "timeline": "timeline"}
 
@@ -147,3 +152,14 @@ def check_against_ranks(options, ranks, path=None):
         message = bad_ranks_per_node(options.ranks_per_node, ranks)
         if message:
             raise PrototxtError(message, path=path, line=_line_of(path, "ranks_per_node"))
+
+
+def check_solver(options, param, path=None):
+    """Momentum correction replaces the momentum of an SGD solver: it needs one."""
+    if options.momentum_correction:
+        from caffepar.proto.upgrade import upgrade_solver
+        solver_type = upgrade_solver(param, source=path)[0].type
+        if solver_type != "SGD" or param.momentum <= 0:
+            raise PrototxtError(f"momentum correction needs the SGD solver with momentum > 0 "
+                                f"(this one: {solver_type}, momentum {param.momentum:g})",
+                                path=path)

@@ -5,6 +5,12 @@ layer's threshold are sent as (index, value) pairs, the rest stay in the residua
 once they have grown. The exact threshold (the k-th largest |g|, k = ceil(ratio * n)) is
 recomputed every `refresh` iterations and reused in between. Residuals and thresholds are per
 rank and belong to the solver state.
+
+With momentum correction (DGC, Lin et al. 2018) for momentum SGD, each rank keeps its own
+velocity u = momentum * u + g + weight decay and the residual accumulates u instead of g; the
+solver then steps by the reduced values without its own momentum. At ratio 1 this is momentum
+SGD exactly. Without it, a value held back for many iterations reaches the momentum only when
+it is sent.
 """
 import math
 
@@ -12,12 +18,19 @@ import numpy as np
 
 
 class TopK:
-    def __init__(self, units, size, ratio, refresh, dtype=np.float32):
+    """`momentum` > 0 turns momentum correction on; `add_decay(values, lo, hi)` then adds the
+    weight decay of the replicated parameters [lo, hi) to `values`."""
+
+    def __init__(self, units, size, ratio, refresh, dtype=np.float32, momentum=0.0,
+                 add_decay=None):
         self.units = list(units)
         self.slot = {u.layer: n for n, u in enumerate(self.units)}
         self.ratio = float(ratio)
         self.refresh = int(refresh)
         self.residual = np.zeros(size, dtype)
+        self.momentum = np.dtype(dtype).type(momentum)
+        self.velocity = np.zeros(size, dtype) if momentum else None
+        self.add_decay = add_decay
         self.words = np.dtype(dtype).itemsize // 4     # int32 words per value in a pair
         self.threshold = np.full(len(self.units), np.nan, np.float64)
         self.magnitude = np.empty(0, dtype)
@@ -32,7 +45,15 @@ class TopK:
         picked, values = [], []
         for u in bucket.units:
             acc = self.residual[u.lo:u.hi]
-            acc += grad[u.lo:u.hi]
+            if self.velocity is None:
+                acc += grad[u.lo:u.hi]
+            else:
+                velocity = self.velocity[u.lo:u.hi]
+                velocity *= self.momentum
+                velocity += grad[u.lo:u.hi]
+                if self.add_decay is not None:
+                    self.add_decay(velocity, u.lo, u.hi)
+                acc += velocity
             magnitude, above = self._work(u.count)
             slot = self.slot[u.layer]
             if refresh or np.isnan(self.threshold[slot]):
@@ -73,10 +94,20 @@ class TopK:
 
     # ---- solver state
     def state(self):
-        return self.residual, self.threshold.astype(np.float32)
+        """(residual, then the velocity with momentum correction, as one flat array;
+        thresholds)."""
+        kept = self.residual if self.velocity is None else \
+            np.concatenate([self.residual, self.velocity])
+        return kept, self.threshold.astype(np.float32)
 
-    def set_state(self, residual, threshold):
-        self.residual[...] = residual.reshape(-1)
+    def set_state(self, kept, threshold):
+        """From state() of a run with or without momentum correction (a velocity this run
+        does not keep is dropped; one it keeps but the state lacks starts at zero)."""
+        kept = kept.reshape(-1)
+        n = self.residual.size
+        self.residual[...] = kept[:n]
+        if self.velocity is not None:
+            self.velocity[...] = kept[n:] if kept.size == 2 * n else 0
         if threshold is None or threshold.size != self.threshold.size:
             self.threshold[...] = np.nan
         else:

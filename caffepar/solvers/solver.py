@@ -555,8 +555,8 @@ class Solver:
                 hist = [self.history[s * n_params + i].reshape(-1)[start:stop]
                         for s in range(n_sets)]
                 _rules.normalize(g, p.iter_size)
-                _rules.regularize(g, w, f(p.weight_decay) * f(net.decay_mults[i][0]),
-                                  p.regularization_type, work_chunk[0])
+                _rules.regularize(g, w, self.local_decay(i), p.regularization_type,
+                                  work_chunk[0])
                 self.rule.update(g, hist, f(rate) * f(net.lr_mults[i][0]), self.iter, work_chunk)
                 w -= g      # Net::Update, while the chunk is in cache
 
@@ -586,6 +586,11 @@ class Solver:
         else:
             raise SolverError("Unsupported snapshot format.")
         return model, self.snapshot_solver_state(model)
+
+    def local_decay(self, i):
+        """Weight decay of learnable parameter i in the update."""
+        f = self.net.param_data.dtype.type
+        return f(self.param.weight_decay) * f(self.net.decay_mults[i][0])
 
     # Hooks a model-parallel run overrides: whole-size arrays for files, this rank's part back.
     writes_files = True

@@ -36,10 +36,16 @@ def comm_configs(ranks):
         "hierarchical_nodes": {"hierarchical": True, "ranks_per_node": ranks // 2,
                                "overlap": True},
         "topk_dense": {"topk": 1.0, "topk_refresh": 1, "overlap": True},
+        "topk_dense_momentum": {"topk": 1.0, "topk_refresh": 1, "momentum_correction": True},
     }
 
 
 TOPK = {"topk": 0.05, "topk_refresh": 3, "overlap": True}
+#: label -> (options, snapshot format) of the top-k runs whose snapshots are resumed at P=2
+RESUMED = {"topk": (TOPK, caffe_pb2.SolverParameter.BINARYPROTO),
+           "topk_h5": (TOPK, caffe_pb2.SolverParameter.HDF5),
+           "topk_momentum": (dict(TOPK, momentum_correction=True),
+                             caffe_pb2.SolverParameter.BINARYPROTO)}
 
 
 def param_for(folder, name, batch, prefix, snapshot=0, snapshot_format=None):
@@ -113,13 +119,15 @@ def main():
             check_topk(comm, folder, name, batch)
     if comm.size == 2:
         for name in NETS:
-            state = folder / f"p2_{name}_topk_iter_{RESUME_AT}.solverstate"
-            train(comm, folder, name, batch, "topk_resumed", TOPK, resume=str(state))
-            train(comm, folder, name, batch, "topk_h5", TOPK, snapshot=RESUME_AT,
-                  snapshot_format=caffe_pb2.SolverParameter.HDF5)
-            state = folder / f"p2_{name}_topk_h5_iter_{RESUME_AT}.solverstate.h5"
-            train(comm, folder, name, batch, "topk_h5_resumed", TOPK, resume=str(state),
-                  snapshot_format=caffe_pb2.SolverParameter.HDF5)
+            for label, (options, fmt) in RESUMED.items():
+                if label != "topk":
+                    train(comm, folder, name, batch, label, options, snapshot=RESUME_AT,
+                          snapshot_format=fmt)
+                ext = ".solverstate.h5" if fmt == caffe_pb2.SolverParameter.HDF5 \
+                    else ".solverstate"
+                state = folder / f"p2_{name}_{label}_iter_{RESUME_AT}{ext}"
+                train(comm, folder, name, batch, f"{label}_resumed", options,
+                      resume=str(state), snapshot_format=fmt)
     if comm.rank == 0:
         (folder / f"comm_p{comm.size}.json").write_text(json.dumps(summary))
 
