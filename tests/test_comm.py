@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "mpi"))
 from nets import NETS, solver_param, write_data  # noqa: E402
 from test_parallel import MPIEXEC, run_mpi, weights  # noqa: E402
-from train_comm import ITERATIONS, RESUMED, comm_configs  # noqa: E402
+from train_comm import ITERATIONS, NET_MODES, NO_MOMENTUM, RESUMED, comm_configs  # noqa: E402
 
 M = 4
 RTOL, ATOL = 1e-5, 1e-6
@@ -57,6 +57,19 @@ def test_option_gives_the_plain_weights(runs, ranks, name, label):
     folder = runs[0]
     got, want = final(folder, ranks, name, label), final(folder, ranks, name, "plain")
     assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{name} {label} P={ranks}: {key}")
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("name", [n for n in sorted(NETS) if NET_MODES[n] == "data"])
+@pytest.mark.parametrize("label", sorted(NO_MOMENTUM))
+def test_dense_momentum_correction_is_sgd_without_momentum(runs, ranks, name, label):
+    folder = runs[0]
+    got = final(folder, ranks, name, label)
+    want = final(folder, ranks, name, NO_MOMENTUM[label][1])
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=RTOL, atol=ATOL,
                                    err_msg=f"{name} {label} P={ranks}: {key}")

@@ -7,10 +7,11 @@ recomputed every `refresh` iterations and reused in between. Residuals and thres
 rank and belong to the solver state.
 
 With momentum correction (DGC, Lin et al. 2018) for momentum SGD, each rank keeps its own
-velocity u = momentum * u + g + weight decay and the residual accumulates u instead of g; the
-solver then steps by the reduced values without its own momentum. At ratio 1 this is momentum
-SGD exactly. Without it, a value held back for many iterations reaches the momentum only when
-it is sent.
+velocity u = momentum * u + g + weight decay, the residual accumulates u instead of g, and a
+value sent leaves both (momentum factor masking: a value's stale momentum does not push it
+again); the solver then steps by the reduced values without its own momentum. Without it, a
+value held back for many iterations reaches the momentum only when it is sent. (At ratio 1
+every value is sent every iteration, so the masking leaves plain SGD without momentum.)
 """
 import math
 
@@ -70,6 +71,8 @@ class TopK:
             keep = np.flatnonzero(above)
             values.append(acc[keep])
             acc[keep] = 0
+            if self.velocity is not None:
+                velocity[keep] = 0
             picked.append(keep + (u.lo - lo))
         index = np.concatenate(picked).astype(np.int32)
         value = np.concatenate(values)

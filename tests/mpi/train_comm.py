@@ -36,8 +36,14 @@ def comm_configs(ranks):
         "hierarchical_nodes": {"hierarchical": True, "ranks_per_node": ranks // 2,
                                "overlap": True},
         "topk_dense": {"topk": 1.0, "topk_refresh": 1, "overlap": True},
-        "topk_dense_momentum": {"topk": 1.0, "topk_refresh": 1, "momentum_correction": True},
     }
+
+
+#: label -> (options, reference label): top-k at ratio 1 with momentum correction sends every
+#: value and clears its momentum every iteration, so it is SGD without momentum (on a net all
+#: of whose layers are data parallel: model-parallel ones keep the solver's momentum).
+NO_MOMENTUM = {"topk_dense_momentum": ({"topk": 1.0, "topk_refresh": 1,
+                                        "momentum_correction": True}, "plain_no_momentum")}
 
 
 TOPK = {"topk": 0.05, "topk_refresh": 3, "overlap": True}
@@ -57,9 +63,11 @@ def param_for(folder, name, batch, prefix, snapshot=0, snapshot_format=None):
     return param, planner(mode)
 
 
-def train(comm, folder, name, batch, label, options, resume=None, **kw):
+def train(comm, folder, name, batch, label, options, resume=None, momentum=None, **kw):
     prefix = folder / f"p{comm.size}_{name}_{label}"
     param, plan = param_for(folder, name, batch, prefix, **kw)
+    if momentum is not None:
+        param.momentum = momentum
     solver = make_parallel_solver(param, comm, planner=plan, options=CommOptions(**options))
     solver.solve(resume_file=resume)
     totals = solver.sync.take_totals()
@@ -113,6 +121,10 @@ def main():
         for label, options in comm_configs(comm.size).items():
             _solver, totals = train(comm, folder, name, batch, label, options)
             summary["bytes"][f"{name}/{label}"] = totals["bytes"]
+        for label, (options, reference) in NO_MOMENTUM.items():
+            if NET_MODES[name] == "data":
+                train(comm, folder, name, batch, label, options)
+                train(comm, folder, name, batch, reference, {}, momentum=0.0)
         _solver, totals = train(comm, folder, name, batch, "topk", TOPK, snapshot=RESUME_AT)
         summary["bytes"][f"{name}/topk"] = totals["bytes"]
         summary[f"{name}/topk_check"], summary[f"{name}/topk_bytes"] = \
