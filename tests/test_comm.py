@@ -381,3 +381,25 @@ def test_plan_profile_reports_the_alexnet_rule(capsys):
     out = capsys.readouterr().out.strip().splitlines()[-1]
     assert out.startswith("Backward profile (1 iteration(s) in this process at batch 4, ")
     assert "AlexNet-like: backward from the top passes 10% of its time at " in out
+
+
+@needs_mpi
+def test_time_np2_with_options_reports_and_traces(tmp_path):
+    name = "cifar10_quick"
+    write_data(tmp_path, name)
+    net = tmp_path / "net.prototxt"
+    net.write_text(text_format.MessageToString(
+        solver_param(tmp_path, name, M, "data", tmp_path / "x").net_param))
+    trace = tmp_path / "time.json"
+    proc = subprocess.run([sys.executable, "-m", "caffepar.cli", "time", "--model", net,
+                           "--np", "2", "--iterations", "2", "--hierarchical",
+                           "--ranks-per-node", "1", "--timeline", trace],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Average gradient reduction: " in proc.stdout
+    assert "(hierarchical (nodes of 1 rank(s)): " in proc.stdout
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    for pid in (0, 1):
+        assert sum(e["cat"] == "iteration" and e["pid"] == pid for e in events) == 2
+        assert any(e["cat"] == "comm" and e["pid"] == pid and
+                   e["name"].startswith("hierarchical ") for e in events)

@@ -89,7 +89,7 @@ class CommOptions:
                          "iterations" + (", momentum correction" if self.momentum_correction
                                          else "") + ")")
         if self.hierarchical:
-            nodes = f"{self.ranks_per_node} ranks per node" if self.ranks_per_node \
+            nodes = f"nodes of {self.ranks_per_node} rank(s)" if self.ranks_per_node \
                 else "nodes by shared memory"
             parts.append(f"hierarchical ({nodes})")
         return ", ".join(parts) or "one allreduce after backward"
