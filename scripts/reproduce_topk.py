@@ -198,6 +198,8 @@ def _markdown(results, table, path, args):
                      f"{'below' if gap >= 0 else 'above'} the exact run (target: within 2), "
                      f"with {fewer:.1f}x fewer bytes for the DATA layers (target: >= 30x).")
     lines += [
+        "- One run per configuration: late in training the test accuracy of one run moves by "
+        "about a point from one test to the next, so differences of that size are noise.",
         f"- At ratio {args.ratio:g} a layer sends k of its n values as 8-byte pairs instead of "
         "4-byte values, so 50x fewer bytes when exactly k travel; thresholds reused between "
         "refreshes let somewhat more or fewer through.",
