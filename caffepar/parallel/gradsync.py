@@ -24,6 +24,7 @@ from caffepar.parallel.buckets import (Bucket, describe_buckets, detect_alexnet_
                                        fixed_buckets, gradient_units, layer_buckets, one_bucket,
                                        split_buckets)
 from caffepar.parallel.plan import shard_rows
+from caffepar.parallel.timeline import COMPUTE
 from caffepar.parallel.topk import TopK
 
 PROFILE_START = 1
@@ -153,7 +154,7 @@ class GradientSync:
             raise self.error
         exposed = t1 - t0 - (self.sparsify_s - sparsify_before)
         if self.timeline is not None:
-            self.timeline.span("wait for gradients", "wait", 1, t0, t1)
+            self.timeline.span("wait for gradients", "wait", COMPUTE, t0, t1)
         self._account(exposed)
         self.armed = False
         self.reductions += 1
@@ -172,8 +173,10 @@ class GradientSync:
             self.backward_s[i] += self.clock() - self._started
         if self.armed:
             with self.lock:
-                if self._post_ready(i):
-                    self._advance()
+                started = self._post_ready(i)
+                if self.flights:
+                    self._advance()         # MPI progress between layers, thread or not
+                if started:
                     self.lock.notify()
 
     # ---- buckets in flight
