@@ -82,10 +82,12 @@ class GradientSync:
         if self.plain:
             return
         self.units = gradient_units(net)
+        layout = ""
         if options.hierarchical:
             node, across = comm.node_groups(options.ranks_per_node)
             self.comms = [node.dup(), across, node.dup()]
             self.program = self._hierarchical
+            layout = f" over {across.size} node(s) of {node.size} rank(s)"
         elif options.topk:
             self.comms = [comm.dup(), comm.dup()]
             if options.momentum_correction and momentum_correction is None:
@@ -122,7 +124,7 @@ class GradientSync:
                                            daemon=True)
             self.thread.start()
         if comm.rank == 0:
-            LOGGER.info(f"Gradient reduction: {options.describe()}; buckets "
+            LOGGER.info(f"Gradient reduction: {options.describe()}{layout}; buckets "
                         f"{describe_buckets(self.buckets, itemsize)}")
 
     # ---- the solver's side
