@@ -46,6 +46,7 @@ class _Flight:
         self.posted = clock()
         self.finished = None
         self.request = None
+        self.sent = 0
 
     def step(self, clock):
         """Run the program to its next collective; False once it has finished."""
@@ -191,7 +192,10 @@ class GradientSync:
             flight = _Flight(bucket, self.program(bucket, self._prepare(bucket)), self.clock)
             self.flights.append(flight)
             self.posted += 1
-            if not flight.step(self.clock):
+            sent = self.sent
+            running = flight.step(self.clock)
+            flight.sent = self.sent - sent      # programs count their bytes before posting
+            if not running:
                 self._finished(flight)
             started = True
         return started
@@ -213,7 +217,7 @@ class GradientSync:
             self.timeline.collective(f"{self.program.__name__.strip('_')} {b.name}",
                                      flight.posted, flight.finished,
                                      {"layers": [u.layer for u in b.units],
-                                      "bytes": int(b.count * self.grad.itemsize)})
+                                      "bytes": int(flight.sent)})
 
     def _progress(self):
         while True:
