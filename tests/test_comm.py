@@ -64,6 +64,18 @@ def test_option_gives_the_plain_weights(runs, ranks, name, label):
 
 @needs_mpi
 @pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("name", sorted(NETS))
+def test_overlap_with_iter_size_gives_the_plain_weights(runs, ranks, name):
+    folder = runs[0]
+    got = final(folder, ranks, name, "iter_size_overlap")
+    want = final(folder, ranks, name, "iter_size_plain")
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{name} iter_size 2 P={ranks}: {key}")
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("name", [n for n in sorted(NETS) if NET_MODES[n] == "data"])
 @pytest.mark.parametrize("label", sorted(NO_MOMENTUM))
 def test_dense_momentum_correction_is_sgd_without_momentum(runs, ranks, name, label):

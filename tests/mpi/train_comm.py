@@ -63,11 +63,13 @@ def param_for(folder, name, batch, prefix, snapshot=0, snapshot_format=None):
     return param, planner(mode)
 
 
-def train(comm, folder, name, batch, label, options, resume=None, momentum=None, **kw):
+def train(comm, folder, name, batch, label, options, resume=None, momentum=None, iter_size=1,
+          **kw):
     prefix = folder / f"p{comm.size}_{name}_{label}"
     param, plan = param_for(folder, name, batch, prefix, **kw)
     if momentum is not None:
         param.momentum = momentum
+    param.iter_size = iter_size
     solver = make_parallel_solver(param, comm, planner=plan, options=CommOptions(**options))
     solver.solve(resume_file=resume)
     totals = solver.sync.take_totals()
@@ -121,6 +123,10 @@ def main():
         for label, options in comm_configs(comm.size).items():
             _solver, totals = train(comm, folder, name, batch, label, options)
             summary["bytes"][f"{name}/{label}"] = totals["bytes"]
+        # Gradients accumulated over iter_size passes: buckets start in the last one only.
+        train(comm, folder, name, batch, "iter_size_plain", {}, iter_size=2)
+        train(comm, folder, name, batch, "iter_size_overlap", {"overlap": True,
+                                                                "bucket_mb": 0.1}, iter_size=2)
         for label, (options, reference) in NO_MOMENTUM.items():
             if NET_MODES[name] == "data":
                 train(comm, folder, name, batch, label, options)
