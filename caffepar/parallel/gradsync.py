@@ -15,6 +15,7 @@ bucket order, whichever thread posts them, as MPI requires.
 """
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -121,8 +122,8 @@ class GradientSync:
         self.lock = threading.Condition()
         self.thread = None
         if options.overlap and _threads_allowed():
-            self.thread = threading.Thread(target=self._progress, name="caffepar-mpi-progress",
-                                           daemon=True)
+            self.thread = threading.Thread(target=_progress, args=(weakref.ref(self),),
+                                           name="caffepar-mpi-progress", daemon=True)
             self.thread.start()
         if comm.rank == 0:
             LOGGER.info(f"Gradient reduction: {options.describe()}{layout}; buckets "
@@ -219,16 +220,8 @@ class GradientSync:
                                      {"layers": [u.layer for u in b.units],
                                       "bytes": int(flight.sent)})
 
-    def _progress(self):
-        while True:
-            with self.lock:
-                while not (self.flights and not self.flights[-1].done and self.error is None):
-                    self.lock.wait()
-                try:
-                    self._advance()
-                except Exception as e:      # reported by the main thread in finish()
-                    self.error = e
-            time.sleep(POLL_SECONDS)
+    def _in_flight(self):
+        return bool(self.flights) and not self.flights[-1].done and self.error is None
 
     # ---- reduction programs: generators yielding one request per stage
     def _prepare(self, bucket):
@@ -343,6 +336,28 @@ class GradientSync:
             buckets = split_buckets(self.units, detection.split_index) \
                 if detection.alexnet_like else layer_buckets(self.units)
         return [[u.layer for u in b.units] for b in buckets]
+
+
+def _progress(ref):
+    """The progress thread: tests the requests in flight every POLL_SECONDS. It holds its
+    GradientSync only weakly, and ends once the sync is gone."""
+    while True:
+        sync = ref()
+        if sync is None:
+            return
+        lock = sync.lock
+        with lock:
+            busy = sync._in_flight()
+            if busy:
+                try:
+                    sync._advance()
+                except Exception as e:      # reported by the main thread in finish()
+                    sync.error = e
+            del sync
+            if not busy:
+                lock.wait(timeout=1.0)
+        if busy:
+            time.sleep(POLL_SECONDS)
 
 
 def layer_parameters(net):
