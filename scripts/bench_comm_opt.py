@@ -9,8 +9,10 @@ hierarchical.
 Each (net, P) is one mpiexec job (1 BLAS thread per rank, batch of the net's DummyData
 prototxt per rank) that runs the options in alternating rounds: per round and option a fresh
 solver, warm-up iterations (4 for the options whose buckets come from a 3-iteration profile,
-11 for top-k, whose thresholds are then those of a trained iteration, else 1), then
-`--iterations` timed ones. Per option: iteration time, comm time (some bucket in
+else 1), then `--iterations` timed ones. Top-k recomputes exact thresholds every iteration here
+(`--topk-refresh 1`): the DummyData input is the same every iteration, so residuals grow
+steadily and thresholds reused from an earlier iteration would let far more than k values
+through; exact ones send k per layer, and their selection time is the upper bound. Per option: iteration time, comm time (some bucket in
 flight), exposed comm time (the solver waiting for gradients), top-k selection time, bytes.
 The plain runs also record every layer's forward and backward time and the update's. A
 finished (net, P) is kept in snapshots/comm_opt/ and skipped on a rerun (--fresh redoes it).
@@ -38,7 +40,7 @@ def options_of(ranks):
     return {"plain": {},
             "overlap": {"overlap": True},
             "overlap+merge": {"merge": "auto"},
-            "top-k": {"topk": TOPK_RATIO},
+            "top-k": {"topk": TOPK_RATIO, "topk_refresh": 1},
             "hierarchical": {"hierarchical": True, "ranks_per_node": max(1, ranks // 2)}}
 
 
@@ -70,8 +72,6 @@ def measure(comm, net_name, label, fields, iterations):
     warm = 1
     if options.overlap and not options.bucket_mb:
         warm = PROFILE_START + PROFILE_ITERATIONS
-    if options.topk:
-        warm = options.topk_refresh + 1     # thresholds of a trained iteration, not the first's
     solver.step(warm)
     clock = LayerClock(solver.net)
     solver.net.observers.insert(0, clock)
@@ -130,8 +130,26 @@ def run_ranks(args):
                       f"{row['iteration_ms']:.0f} ms, comm {row['comm_ms']:.0f} ms, "
                       f"exposed {row['exposed_ms']:.0f} ms", file=sys.stderr, flush=True)
     if comm.rank == 0:
-        Path(args.out).write_text(json.dumps({"rows": rows, "load": os.getloadavg(),
+        busy = None if args.busy_before == "None" else float(args.busy_before)
+        Path(args.out).write_text(json.dumps({"rows": rows, "busy_before": busy,
+                                              "busy_after": cpu_busy(),
                                               "when": time.strftime("%Y-%m-%d %H:%M")}))
+
+
+def cpu_busy(seconds=3.0):
+    """Fraction of this machine's CPU time others used over `seconds` (from /proc/stat), so a
+    result can say whether it was measured on a quiet machine; None where /proc is absent."""
+    def sample():
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        return values[3] + values[4], sum(values)      # idle + iowait, total
+    try:
+        idle0, total0 = sample()
+        time.sleep(seconds)
+        idle1, total1 = sample()
+    except OSError:
+        return None
+    return 1 - (idle1 - idle0) / max(total1 - total0, 1)
 
 
 def launch(net_name, ranks, args):
@@ -144,7 +162,8 @@ def launch(net_name, ranks, args):
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cmd = [find_mpiexec(), "-n", str(ranks), sys.executable, __file__, "--ranks-run",
            "--net", net_name, "--out", str(out), "--rounds", str(args.rounds),
-           "--iterations", str(args.iterations), "--options", ",".join(args.options)]
+           "--iterations", str(args.iterations), "--options", ",".join(args.options),
+           "--busy-before", str(cpu_busy())]
     status = subprocess.call(cmd, env=env)
     if status:
         sys.exit(f"{net_name} P={ranks}: the job exited with {status}")
@@ -157,7 +176,9 @@ def summarize(args):
         data = json.loads(path.read_text())
         for row in data["rows"]:
             key = (row["net"], row["np"], row["option"])
-            table.setdefault(key, []).append(dict(row, load=data["load"][0], when=data["when"]))
+            table.setdefault(key, []).append(dict(row, busy_before=data.get("busy_before"),
+                                                  busy_after=data.get("busy_after"),
+                                                  when=data["when"]))
     out = []
     for key, rows in table.items():
         mean = {k: sum(r[k] for r in rows) / len(rows)
@@ -175,7 +196,7 @@ def write_results(args):
         return
     args.results.mkdir(exist_ok=True)
     fields = ["net", "np", "option", "iteration_ms", "comm_ms", "exposed_ms", "sparsify_ms",
-              "update_ms", "bytes", "rounds", "spread", "load", "when"]
+              "update_ms", "bytes", "rounds", "spread", "busy_before", "busy_after", "when"]
     with open(args.results / "comm_opt.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(fields)
@@ -205,6 +226,18 @@ def _plot(rows, png):
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
+
+
+def _busy_text(row):
+    """Whether other work shared the machine, from the CPU others used just before and just
+    after the job."""
+    values = [v for v in (row["busy_before"], row["busy_after"]) if v is not None]
+    if not values:
+        return "machine load not recorded."
+    shares = ", ".join(f"{100 * v:.0f}%" for v in values)
+    verdict = "measured under load (other work was running)" if max(values) > 0.15 \
+        else "quiet machine"
+    return f"CPU used by others just before / after the job: {shares} ({verdict})."
 
 
 def _markdown(rows, path):
@@ -239,10 +272,7 @@ def _markdown(rows, path):
                          f"{r['comm_ms']:.0f} | {r['exposed_ms']:.0f} | {100 * hidden:.0f}% | "
                          f"{r['sparsify_ms']:.0f} | {r['bytes'] / 2 ** 20:.1f} | "
                          f"{100 * r['spread']:.0f}% |")
-        loads = sorted({f"{r['load']:.1f}" for r in mine})
-        lines += ["", f"Measured {mine[0]['when']}, load average {', '.join(loads)} "
-                      f"({'loaded machine' if max(map(float, loads)) > ranks + 0.5 else 'quiet'})."
-                  , ""]
+        lines += ["", f"Measured {mine[0]['when']}; {_busy_text(mine[0])}", ""]
     lines += [
         "## Where overlap cannot hide communication here",
         "",
@@ -281,6 +311,7 @@ def main():
     ap.add_argument("--ranks-run", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--net", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--busy-before", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ranks_run:
         run_ranks(args)
