@@ -138,6 +138,9 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
     from caffepar.parallel.options import CommOptions
     from caffepar.timing import benchmark, format_benchmark
     _warn_gpu(gpu)
+    if comm_flags.get("momentum_correction"):
+        raise click.UsageError("--momentum-correction needs a solver's momentum: it is an "
+                               "option of caffepar train")
     options = CommOptions().with_flags(**_comm_flags(ranks, comm_flags))
     _relaunch_if_asked(ctx, ranks, threads, mpiexec)
     comm = world_comm()
