@@ -141,6 +141,9 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
     if comm_flags.get("momentum_correction"):
         raise click.UsageError("--momentum-correction needs a solver's momentum: it is an "
                                "option of caffepar train")
+    if comm_flags.get("merge"):
+        from caffepar.parallel.options import MERGE_UNAVAILABLE
+        raise click.UsageError(MERGE_UNAVAILABLE)
     options = CommOptions().with_flags(**_comm_flags(ranks, comm_flags))
     _relaunch_if_asked(ctx, ranks, threads, mpiexec)
     comm = world_comm()

@@ -301,8 +301,10 @@ def main():
     ap.add_argument("--np", default="2,4")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--iterations", type=int, default=3)
-    ap.add_argument("--options", default=",".join(options_of(2)),
-                    type=lambda s: [x for x in s.split(",") if x])
+    ap.add_argument("--options", default="plain,overlap,top-k,hierarchical",
+                    type=lambda s: [x for x in s.split(",") if x],
+                    help=f"a subset of {', '.join(options_of(2))} (overlap+merge needs the "
+                         "communication cost model)")
     ap.add_argument("--work", type=Path, default=ROOT / "snapshots/comm_opt")
     ap.add_argument("--results", type=Path, default=ROOT / "results")
     ap.add_argument("--fresh", action="store_true", help="measure again what was measured")

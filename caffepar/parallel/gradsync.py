@@ -83,6 +83,9 @@ class GradientSync:
         self.topk = None
         if self.plain:
             return
+        if options.merge and planner is None:
+            from caffepar.parallel.options import MERGE_UNAVAILABLE
+            raise CaffeparError(MERGE_UNAVAILABLE)
         self.units = gradient_units(net)
         layout = ""
         if options.hierarchical:
