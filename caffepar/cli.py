@@ -25,6 +25,77 @@ def _phase(name):
     return TRAIN if name.upper() == "TRAIN" else TEST
 
 
+def _check(test):
+    """A click callback turning an options.bad_* test into BadParameter (exit 2)."""
+    def callback(ctx, param, value):
+        if value is not None:
+            message = test(value)
+            if message:
+                raise click.BadParameter(message)
+        return value
+    return callback
+
+
+def comm_options(fn):
+    """The gradient communication flags of `train` and `time` (all off unless given)."""
+    from caffepar.parallel import options as o
+    flags = [
+        click.option("--overlap", is_flag=True, default=None,
+                     help="Start each bucket's gradient reduction as soon as backward has "
+                          "completed it (non-blocking, progressed by a thread)."),
+        click.option("--bucket-mb", type=float, default=None, callback=_check(o.bad_bucket),
+                     help="Reduce gradients in buckets of this many MiB (with --overlap, "
+                          "each as soon as it is complete)."),
+        click.option("--merge", type=click.Choice(o.MERGES), default=None,
+                     help="auto: buckets planned by the optimal merge (MG-WFBP) from a short "
+                          "profile; implies --overlap."),
+        click.option("--topk", type=float, default=None, callback=_check(o.bad_ratio),
+                     help="Layer-wise top-k sparsification with residuals: the fraction of "
+                          "each layer's gradient values sent, in (0, 1]."),
+        click.option("--topk-refresh", type=int, default=None,
+                     callback=_check(o.bad_refresh),
+                     help="Recompute exact top-k thresholds every S iterations (default 10)."),
+        click.option("--momentum-correction", is_flag=True, default=None,
+                     help="With --topk and momentum SGD: each rank's residual accumulates its "
+                          "velocity (momentum and weight decay included), as DGC does."),
+        click.option("--hierarchical", is_flag=True, default=None,
+                     help="Reduce-scatter in each node, allreduce across nodes, allgather "
+                          "in the node."),
+        click.option("--ranks-per-node", type=int, default=None,
+                     callback=_check(o.bad_ranks_per_node),
+                     help="Nodes of N consecutive ranks for --hierarchical (default: the "
+                          "ranks that share memory)."),
+        click.option("--timeline", type=click.Path(dir_okay=False), default=None,
+                     help="Write a Chrome trace (chrome://tracing, Perfetto) of every layer "
+                          "and collective of every rank to this JSON file."),
+    ]
+    for flag in reversed(flags):
+        fn = flag(fn)
+    return fn
+
+
+def _comm_flags(ranks, flags):
+    """The comm flags given on the command line (name -> value), checked against each other
+    and against --np."""
+    given = {k: v for k, v in flags.items() if v is not None}
+    for name in ("topk_refresh", "momentum_correction"):
+        if name in given and "topk" not in given:
+            raise click.UsageError(f"--{name.replace('_', '-')} needs --topk")
+    if "ranks_per_node" in given and "hierarchical" not in given:
+        raise click.UsageError("--ranks-per-node needs --hierarchical")
+    if "bucket_mb" in given and "merge" in given:
+        raise click.UsageError("give --bucket-mb or --merge auto, not both")
+    if "topk" in given and "hierarchical" in given:
+        raise click.UsageError("--topk does not combine with --hierarchical (top-k exchanges "
+                               "index/value pairs with allgather)")
+    if ranks and "ranks_per_node" in given:
+        from caffepar.parallel.options import bad_ranks_per_node
+        message = bad_ranks_per_node(given["ranks_per_node"], ranks)
+        if message:
+            raise click.BadParameter(message, param_hint="'--ranks-per-node'")
+    return given
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
 @click.version_option(package_name="caffepar")
@@ -56,15 +127,24 @@ def cli(ctx, debug):
 @click.option("--threads", default=None, type=click.IntRange(min=1),
               help="BLAS threads per rank (default: cores / ranks).")
 @click.option("--mpiexec", default=None, help="The mpiexec to start ranks with.")
+@comm_options
 @click.option("--gpu", default=None, hidden=True)
 @click.pass_context
 def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, default_mode,
-             model_parallel, mp_threshold, threads, mpiexec, gpu):
+             model_parallel, mp_threshold, threads, mpiexec, gpu, **comm_flags):
     """Time forward and backward of every layer, as `caffe time`."""
     from caffepar.graph.net import Net
     from caffepar.parallel.comm import world_comm
+    from caffepar.parallel.options import CommOptions
     from caffepar.timing import benchmark, format_benchmark
     _warn_gpu(gpu)
+    if comm_flags.get("momentum_correction"):
+        raise click.UsageError("--momentum-correction needs a solver's momentum: it is an "
+                               "option of caffepar train")
+    if comm_flags.get("merge"):
+        from caffepar.parallel.options import MERGE_UNAVAILABLE
+        raise click.UsageError(MERGE_UNAVAILABLE)
+    options = CommOptions().with_flags(**_comm_flags(ranks, comm_flags))
     _relaunch_if_asked(ctx, ranks, threads, mpiexec)
     comm = world_comm()
     ctx.obj["comm"] = comm
@@ -75,9 +155,11 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
         extra = {"shard": (comm.rank, comm.size), "layer_factory": layer_factory(comm, planner)}
     net = Net(model, phase=_phase(phase), level=level, stages=stage, weights=weights, **extra)
     say = click.echo if comm.rank == 0 else (lambda *a, **k: None)
-    result = benchmark(net, iterations, comm=comm, progress=lambda i, ms: say(
+    result = benchmark(net, iterations, comm=comm, options=options, progress=lambda i, ms: say(
         f"Iteration: {i} forward-backward time: {ms:.2f} ms."))
     say(format_benchmark(net, result))
+    if options.timeline:
+        say(f"Wrote the timeline to {options.timeline}")
 
 
 @cli.command("train")
@@ -114,11 +196,12 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
 @click.option("--threads", default=None, type=click.IntRange(min=1),
               help="BLAS threads per rank (default: cores / ranks).")
 @click.option("--mpiexec", default=None, help="The mpiexec to start ranks with.")
+@comm_options
 @click.option("--gpu", default=None, hidden=True)
 @click.pass_context
 def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_effect,
               sighup_effect, log_file, csv_file, ranks, default_mode, model_parallel,
-              mp_threshold, log_all_ranks, threads, mpiexec, gpu):
+              mp_threshold, log_all_ranks, threads, mpiexec, gpu, **comm_flags):
     """Train a net with a solver, as `caffe train`; with --np, over MPI ranks."""
     from caffepar.parallel.comm import world_comm
     from caffepar.training import run_training
@@ -126,6 +209,11 @@ def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_e
     if weights and snapshot:
         raise click.UsageError("give --weights or --snapshot, not both "
                                "(Caffe: snapshot restores the weights too)")
+    comm_flags = _comm_flags(ranks, comm_flags)
+    if ranks and ranks > 1:
+        from caffepar.proto.text import read_solver_text
+        from caffepar.training import comm_options
+        comm_options(read_solver_text(solver), solver, comm_flags, ranks)
     _relaunch_if_asked(ctx, ranks, threads, mpiexec)
     comm = world_comm()
     ctx.obj["comm"] = comm
@@ -133,7 +221,8 @@ def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_e
     run_training(solver, weights=weights, snapshot=snapshot, iterations=iterations,
                  level=level, stages=stage, sigint_effect=sigint_effect,
                  sighup_effect=sighup_effect, log_file=log_file, csv_file=csv_file,
-                 comm=comm, planner=planner, log_all_ranks=log_all_ranks)
+                 comm=comm, planner=planner, log_all_ranks=log_all_ranks,
+                 comm_flags=comm_flags)
 
 
 @cli.command("test")
@@ -241,15 +330,35 @@ def data_mean(db, out, backend):
               help="Parameter count above which hybrid runs an InnerProduct MODEL.")
 @click.option("--phase", type=click.Choice(["TRAIN", "TEST"], case_sensitive=False),
               default="TRAIN", show_default=True)
-def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase):
+@click.option("--profile", "profile_iterations", default=0, show_default=True,
+              type=click.IntRange(min=0),
+              help="Time this many forward/backward passes here and say whether the net is "
+                   "AlexNet-like (seed 004) and where it splits.")
+@click.option("--batch", default=None, type=click.IntRange(min=1),
+              help="Profile at this batch per rank (default: the prototxt's).")
+def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase, profile_iterations,
+             batch):
     """Print each parameterised layer's parallel mode and why."""
     from caffepar.graph.net import Net
     from caffepar.parallel.plan import format_plan, make_plan
     net = Net(model, phase=_phase(phase))
     plans = make_plan(net, _planner(default, model_parallel, mp_threshold), net.source_map)
-    batch = next((b.shape[0] for n, b in net.blobs.items() if n in net.inputs or n == "data"),
-                 None)
-    click.echo(format_plan(plans, ranks, batch))
+    net_batch = next((b.shape[0] for n, b in net.blobs.items()
+                      if n in net.inputs or n == "data"), None)
+    click.echo(format_plan(plans, ranks, batch or net_batch))
+    if profile_iterations:
+        from caffepar.graph.passes import with_batch
+        from caffepar.parallel.buckets import detect_alexnet_like
+        from caffepar.parallel.gradsync import layer_parameters
+        from caffepar.timing import benchmark
+        if batch and batch != net_batch:
+            net = Net(with_batch(net.param, batch), phase=_phase(phase))
+        result = benchmark(net, profile_iterations)
+        detection = detect_alexnet_like([l.name for l in net.layers], result.backward_ms,
+                                        layer_parameters(net))
+        click.echo(f"Backward profile ({profile_iterations} iteration(s) in this process at "
+                   f"batch {batch or net_batch}, {result.backward_ms.sum():.1f} ms): "
+                   f"{detection.describe()}")
 
 
 @cli.group("convert")

@@ -99,14 +99,34 @@ def _snapshot_exists(solver):
     return any(os.path.exists(stem + ext) for ext in (".solverstate", ".solverstate.h5"))
 
 
+def comm_options(param, solver_path, comm_flags, ranks):
+    """The run's CommOptions: the solver's comm_param with the command line's flags on top."""
+    from caffepar.errors import SolverError
+    from caffepar.parallel.options import (check_against_ranks, check_solver,
+                                           options_from_solver)
+    options = options_from_solver(param, solver_path).with_flags(**(comm_flags or {}))
+    conflict = options.conflicts()
+    if conflict:
+        raise SolverError(f"comm_param and the command line: {conflict[1]}", path=solver_path)
+    check_against_ranks(options, ranks, solver_path)
+    check_solver(options, param, solver_path)
+    if ranks == 1 and not options.plain:
+        LOGGER.info(f"One rank: no gradients to communicate ({options.describe()} unused)")
+    return options
+
+
 def run_training(solver_path, weights=None, snapshot=None, iterations=None, level=0, stages=(),
                  sigint_effect="stop", sighup_effect="snapshot", log_file=None, csv_file=None,
-                 comm=None, planner=None, log_all_ranks=False):
-    """`caffepar train`: one process, or one rank of a parallel job when comm has P > 1."""
+                 comm=None, planner=None, log_all_ranks=False, comm_flags=None):
+    """`caffepar train`: one process, or one rank of a parallel job when comm has P > 1.
+    `comm_flags`: gradient communication options given on the command line."""
+    from caffepar.parallel.comm import LocalComm
+    from caffepar.parallel.timeline import Timeline
     from caffepar.proto.text import read_solver_text
     from caffepar.solvers import get_solver
-    rank = comm.rank if comm is not None else 0
-    parallel = comm is not None and comm.size > 1
+    comm = comm if comm is not None else LocalComm()
+    rank = comm.rank
+    parallel = comm.size > 1
     setup_logging(log_file if rank == 0 else None, enabled=rank == 0 or log_all_ranks,
                   prefix=f"[rank {rank}] " if log_all_ranks and parallel else "")
     param = read_solver_text(solver_path)
@@ -114,11 +134,17 @@ def run_training(solver_path, weights=None, snapshot=None, iterations=None, leve
         param.max_iter = iterations
     param.train_state.level = level
     param.train_state.stage.extend(stages)
+    options = comm_options(param, solver_path, comm_flags, comm.size)
+    timeline = Timeline(comm) if options.timeline else None
     if parallel:
         from caffepar.parallel.data_parallel import make_parallel_solver
-        solver = make_parallel_solver(param, comm, source=solver_path, planner=planner)
+        solver = make_parallel_solver(param, comm, source=solver_path, planner=planner,
+                                      options=options, timeline=timeline)
     else:
         solver = get_solver(param, source=solver_path)
+    if timeline is not None:
+        comm.timeline = timeline
+        timeline.watch_solver(solver)
     if weights:
         for path in weights.split(","):
             LOGGER.info(f"Finetuning from {path}")
@@ -134,6 +160,8 @@ def run_training(solver_path, weights=None, snapshot=None, iterations=None, leve
     def on_iteration(info):
         row = {"iter": info["iter"], "loss": info.get("loss"), "lr": info.get("lr"),
                "seconds": info.get("seconds"), "data_wait_s": info.get("data_wait")}
+        if "grad_bytes" in info:
+            row["grad_bytes"] = info["grad_bytes"]     # replicated gradients, sent by this rank
         row.update({f"test/{k}": v for k, v in info.get("test", {}).items()})
         if csv is not None:
             csv.add(row)
@@ -162,6 +190,8 @@ def run_training(solver_path, weights=None, snapshot=None, iterations=None, leve
             csv.write()
     if csv is not None:
         LOGGER.info(f"Wrote per-iteration values to {csv.path}")
+    if timeline is not None and timeline.write(options.timeline):
+        LOGGER.info(f"Wrote the timeline to {options.timeline}")
     return solver
 
 

@@ -59,6 +59,9 @@ class Net:
         self.phase = phase
         self.shard = tuple(shard)
         self.layer_factory = layer_factory
+        # Told layer_start(kind, i) / layer_end(kind, i) around every layer's forward and
+        # backward (kind "forward" or "backward"): timelines, gradient reduction during backward.
+        self.observers = []
         self.name = param.name
         param = insert_splits(filter_net(param, smap), smap)
         self.param = param
@@ -315,23 +318,41 @@ class Net:
         end = len(self.layers) - 1 if end is None else end
         loss = 0.0
         for i in range(start, end + 1):
-            layer = self.layers[i]
-            bottoms = self._blobs_of(self.bottom_ids[i])
-            tops = self._blobs_of(self.top_ids[i])
-            layer.reshape(bottoms, tops)
-            layer.forward(bottoms, tops)
-            for j, top in enumerate(tops):
-                if layer.loss_weights[j]:
-                    loss += float(np.vdot(top.data, top.diff))
+            loss = self.forward_layer(i, loss)
         return loss
 
     def backward_from_to(self, start=None, end=0):
         start = len(self.layers) - 1 if start is None else start
         for i in range(start, end - 1, -1):
-            if self.layer_need_backward[i]:
-                self.layers[i].backward(self._blobs_of(self.top_ids[i]),
-                                        self.bottom_need_backward[i],
-                                        self._blobs_of(self.bottom_ids[i]))
+            self.backward_layer(i, self.layer_need_backward[i])
+
+    def forward_layer(self, i, loss=0.0):
+        """Reshape and forward layer i; return `loss` plus the weighted loss of its tops."""
+        layer = self.layers[i]
+        bottoms = self._blobs_of(self.bottom_ids[i])
+        tops = self._blobs_of(self.top_ids[i])
+        for o in self.observers:
+            o.layer_start("forward", i)
+        layer.reshape(bottoms, tops)
+        layer.forward(bottoms, tops)
+        for j, top in enumerate(tops):
+            if layer.loss_weights[j]:
+                loss += float(np.vdot(top.data, top.diff))
+        for o in self.observers:
+            o.layer_end("forward", i)
+        return loss
+
+    def backward_layer(self, i, run=True):
+        """Backward of layer i when `run`; observers hear of the layer either way, so one
+        that waits for a parameter's gradient learns when backward has passed its layer."""
+        for o in self.observers:
+            o.layer_start("backward", i)
+        if run:
+            self.layers[i].backward(self._blobs_of(self.top_ids[i]),
+                                    self.bottom_need_backward[i],
+                                    self._blobs_of(self.bottom_ids[i]))
+        for o in self.observers:
+            o.layer_end("backward", i)
 
     def forward_backward(self):
         loss = self.forward_from_to()

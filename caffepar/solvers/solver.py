@@ -561,8 +561,8 @@ class Solver:
                 hist = [self.history[s * n_params + i].reshape(-1)[start:stop]
                         for s in range(n_sets)]
                 _rules.normalize(g, p.iter_size)
-                _rules.regularize(g, w, f(p.weight_decay) * f(net.decay_mults[i][0]),
-                                  p.regularization_type, work_chunk[0])
+                _rules.regularize(g, w, self.local_decay(i), p.regularization_type,
+                                  work_chunk[0])
                 self.rule.update(g, hist, f(rate) * f(net.lr_mults[i][0]), self.iter, work_chunk)
                 w -= g      # Net::Update, while the chunk is in cache
 
@@ -618,6 +618,11 @@ class Solver:
             raise SolverError("Unsupported snapshot format.")
         return model, self.snapshot_solver_state(model)
 
+    def local_decay(self, i):
+        """Weight decay of learnable parameter i in the update."""
+        f = self.net.param_data.dtype.type
+        return f(self.param.weight_decay) * f(self.net.decay_mults[i][0])
+
     # Hooks a model-parallel run overrides: whole-size arrays for files, this rank's part back.
     writes_files = True
 
@@ -627,6 +632,14 @@ class Solver:
 
     def snapshot_history(self):
         return self.history
+
+    def snapshot_comm_state(self):
+        """Every rank's gradient residual and thresholds (top-k sparsification), for the
+        state file: ([], []) when there are none."""
+        return [], []
+
+    def restore_comm_state(self, state, path):
+        """Take this rank's residual and thresholds back from a read solver state."""
 
     def history_part(self, index, values):
         """This process's part of history blob `index` read from a solver state."""
@@ -652,10 +665,12 @@ class Solver:
 
     def snapshot_solver_state(self, model_filename):
         record, positions = self._resume_record()
+        residual, threshold = self.snapshot_comm_state()
         state = _snap.SolverStateData(iter=self.iter, learned_net=model_filename,
                                       current_step=self.current_step,
                                       history=self.snapshot_history(),
-                                      data_position=positions, rng_state=record)
+                                      data_position=positions, rng_state=record,
+                                      gradient_residual=residual, gradient_threshold=threshold)
         if self.param.snapshot_format == HDF5:
             path = self.snapshot_filename(".solverstate.h5")
             log.info("Snapshotting solver state to HDF5 file %s", path)
@@ -704,6 +719,7 @@ class Solver:
             layer = self.net.layer_dict.get(name)
             if layer is not None and callable(getattr(layer, "set_state", None)):
                 layer.set_state(layer_state)
+        self.restore_comm_state(state, path)
         for net in self.test_nets:
             net.share_with(self.net)
         return state

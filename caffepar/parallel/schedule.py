@@ -1,0 +1,82 @@
+"""The modelled iteration of a data-parallel run with gradient buckets, and seed 001's optimal
+merge of layers into buckets (MG-WFBP).
+
+The model follows what gradsync.py does: forward, then backward from the top layer down; a
+bucket's gradients are complete once backward has passed its lowest layer; preparing a bucket
+(top-k's selection) runs on the backward's thread and delays the layers below; with overlap a
+bucket's communication starts when it is complete and the previous bucket's communication has
+ended (comm_start(l) = max(comm_end(l+1), prepare_end(l))), without overlap all of them start
+after backward, one after another; the update starts when backward and every communication
+have ended. Communication is assumed to take no compute time (a network card moves the data).
+"""
+from dataclasses import dataclass
+
+from caffepar.parallel.buckets import Bucket
+
+
+@dataclass
+class Modelled:
+    iteration_s: float
+    comm_s: float
+    """Time some bucket is being communicated."""
+    exposed_s: float
+    """Time the update waits for communication after backward has ended."""
+
+
+def model_iteration(forward_s, backward_s, update_s, buckets, comm_s, prepare_s=None,
+                    overlap=True):
+    """Modelled times of one iteration. forward_s: total forward seconds; backward_s: per
+    layer (net order); buckets in the order they are sent; comm_s(bucket) / prepare_s(bucket):
+    seconds of a bucket's communication / preparation."""
+    prepare_s = prepare_s or (lambda bucket: 0.0)
+    ready = sorted(((b.ready, n) for n, b in enumerate(buckets)), reverse=True)
+    clock = forward_s
+    layer = len(backward_s) - 1
+    prepared = {}
+    for ready_layer, n in ready:
+        while layer >= ready_layer:
+            clock += backward_s[layer]
+            layer -= 1
+        if overlap:
+            clock += prepare_s(buckets[n])
+            prepared[n] = clock
+    while layer >= 0:
+        clock += backward_s[layer]
+        layer -= 1
+    backward_end = clock
+    if not overlap:
+        for n, b in enumerate(buckets):
+            clock += prepare_s(b)
+            prepared[n] = clock
+    comm_end = clock if not overlap else forward_s
+    busy = 0.0
+    for n, b in enumerate(buckets):
+        start = max(comm_end, prepared[n])
+        seconds = comm_s(b)
+        comm_end = start + seconds
+        busy += seconds
+    end = max(clock, comm_end)
+    return Modelled(end + update_s, busy, end - clock if overlap else comm_end - clock)
+
+
+def optimal_merge(units, forward_s, backward_s, update_s, comm_s, prepare_s=None):
+    """Seed 001's merge: from the top layer's bucket down, merge a bucket into the one below
+    it (its gradients then travel with that bucket's) whenever the modelled iteration gets
+    shorter. O(L^2) model evaluations. Returns the buckets (top first)."""
+    buckets = [Bucket([u]) for u in units]
+
+    def cost(candidate):
+        return model_iteration(forward_s, backward_s, update_s, candidate, comm_s, prepare_s,
+                               overlap=True).iteration_s
+
+    best = cost(buckets)
+    n = 0
+    while n < len(buckets) - 1:
+        merged = buckets[:n] + [Bucket(buckets[n].units + buckets[n + 1].units)] + \
+            buckets[n + 2:]
+        t = cost(merged)
+        if t < best:
+            buckets, best = merged, t
+        else:
+            n += 1
+    return buckets
