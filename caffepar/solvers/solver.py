@@ -577,7 +577,7 @@ class Solver:
         n_params = len(params)
         calls = []
         for i, blob in enumerate(params):
-            decay = f(p.weight_decay) * f(net.decay_mults[i][0])
+            decay = self.local_decay(i)
             kind = _rules.regularization_code(p.regularization_type) if decay else 0
             args = self.rule.kernel_args(f(rate) * f(net.lr_mults[i][0]), self.iter)
             arrays = [blob.diff, blob.data] + [self.history[s * n_params + i]
