@@ -5,10 +5,15 @@ from caffepar.pycaffe import (TEST, TRAIN, Layer, Net, layer_type_list, set_devi
                               set_mode_gpu, set_random_seed)
 from caffepar.pycaffe import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,
                               RMSPropSolver, SGDSolver, Solver, get_solver)
+from caffepar.net_spec import NetSpec, layers, params, to_proto
+from caffepar.classifier import Classifier
+from caffepar.detector import Detector
+from caffepar import coord_map, draw  # noqa: E402  (pycaffe's caffe.coord_map, caffe.draw)
 
 __version__ = "0.1.0"
 
 __all__ = ["Net", "Layer", "TRAIN", "TEST", "io", "proto", "layer_type_list", "set_mode_cpu",
            "set_mode_gpu", "set_device", "set_random_seed", "__version__",
            "Solver", "SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSPropSolver",
-           "AdaDeltaSolver", "AdamSolver", "get_solver"]
+           "AdaDeltaSolver", "AdamSolver", "get_solver", "NetSpec", "layers", "params",
+           "to_proto", "Classifier", "Detector", "coord_map", "draw"]

@@ -3,7 +3,7 @@ import difflib
 
 import numpy as np
 
-from caffepar.blob import Blob
+from caffepar.blob import Blob, BlobVec
 from caffepar.errors import LayerError, NetError
 from caffepar.fillers import fill
 
@@ -63,7 +63,7 @@ class Layer:
         self.phase = phase
         self.dtype = np.dtype(dtype)
         self.where = where or {}
-        self.blobs = []
+        self.blobs = BlobVec(dtype=self.dtype)
         self.param_propagate_down = []
         self.loss_weights = []
         # Which bottoms the net will want a diff for (set by the net; None: unknown). Only a

@@ -31,8 +31,8 @@ def _import_user_module(name):
     except ModuleNotFoundError as e:
         if e.name != "caffe" or "caffe" in sys.modules:
             raise
-    import caffepar
-    sys.modules["caffe"] = caffepar
+    from caffepar.pycaffe import install_as_caffe
+    install_as_caffe()
     return importlib.import_module(name)
 
 
@@ -57,6 +57,13 @@ class PythonLayer(Layer):
         self.user.phase = self.phase
         self.user.blobs = self.blobs
         self.user.setup(bottom, top)
+
+    def __getattr__(self, name):
+        """The user object's own attributes, as pycaffe's `net.layers[i]` is that object."""
+        user = self.__dict__.get("user")
+        if user is None:
+            raise AttributeError(name)
+        return getattr(user, name)
 
     def reshape(self, bottom, top):
         self.user.reshape(bottom, top)

@@ -11,7 +11,7 @@ from google.protobuf import text_format
 
 from caffepar import common
 from caffepar.errors import SolverError
-from caffepar.graph.net import TEST, TRAIN
+from caffepar.graph.net import TEST, TRAIN, Net
 from caffepar.io.weights import save_caffemodel, save_caffemodel_hdf5
 from caffepar.nn import native
 from caffepar.nn.blas import run_parts, scratch, split_parts
@@ -181,7 +181,6 @@ class Solver:
 
     # ------------------------------------------------------------------ nets
     def _make_net(self, source, phase, level, stages):
-        from caffepar.pycaffe import Net
         return Net(source, phase=phase, level=level, stages=stages)
 
     def _net_source(self, value):

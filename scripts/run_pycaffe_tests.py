@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""Run pycaffe's own test suite and examples against caffepar, from a Caffe checkout.
+
+    python scripts/run_pycaffe_tests.py CAFFE_ROOT [-v] [-k PATTERN]
+
+CAFFE_ROOT is a BVLC Caffe source tree (nothing is downloaded). `import caffe` gives caffepar
+(caffe.proto.caffe_pb2, caffe.draw, caffe.coord_map, ... included) and every test module of
+python/caffe/test runs unchanged, test_nccl aside (NCCL is multi-GPU only). Then the examples:
+examples/pycaffe/caffenet.py (NetSpec) must write the layers of models/bvlc_reference_caffenet
+and a net that builds and runs; linreg.prototxt with layers/pyloss.py must give the loss and
+gradients of caffepar's own EuclideanLoss; python/draw_net.py must draw a net (PNG when
+Graphviz's dot is installed, else its .raw dot source). Tests run in a scratch directory
+(test_solver writes snapshots to the working directory). The last line counts the results.
+Needs the dev extras (six, which pycaffe's tests import, and pydot).
+"""
+import argparse
+import os
+import runpy
+import shutil
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SKIPPED_MODULES = {"test_nccl"}
+
+
+def _python_compat():
+    """Names pycaffe's tests use that Python 3.12 removed from unittest (deprecated aliases)."""
+    case = unittest.TestCase
+    for old, new in (("assertRaisesRegexp", "assertRaisesRegex"), ("assertEquals", "assertEqual"),
+                     ("assertItemsEqual", "assertCountEqual")):
+        if not hasattr(case, old):
+            setattr(case, old, getattr(case, new))
+
+
+def _test_modules(test_dir, pattern):
+    names = sorted(p.stem for p in test_dir.glob("test_*.py") if p.stem not in SKIPPED_MODULES)
+    return [n for n in names if not pattern or pattern in n]
+
+
+def _layer_signature(net):
+    """What makes CaffeNet CaffeNet: each weighted or pooling layer's type and geometry."""
+    rows = []
+    for layer in net.layer:
+        if layer.type in ("Convolution", "InnerProduct"):
+            c = layer.convolution_param
+            ip = layer.inner_product_param
+            rows.append((layer.type, c.num_output or ip.num_output, tuple(c.kernel_size),
+                         tuple(c.stride) or (1,), tuple(c.pad) or (0,), c.group))
+        elif layer.type in ("Pooling", "LRN", "ReLU", "Dropout", "SoftmaxWithLoss"):
+            p = layer.pooling_param
+            rows.append((layer.type, p.kernel_size, p.stride, layer.lrn_param.local_size))
+    return rows
+
+
+class Examples(unittest.TestCase):
+    caffe_root = None
+
+    def test_caffenet_netspec(self):
+        """caffenet.py writes CaffeNet's layers; the TEST net runs on dummy data."""
+        import caffe
+        from caffepar.proto.text import read_net_text
+        runpy.run_path(str(self.caffe_root / "examples/pycaffe/caffenet.py"), run_name="__main__")
+        train, _ = read_net_text("train.prototxt")
+        test, _ = read_net_text("test.prototxt")
+        reference, _ = read_net_text(str(self.caffe_root /
+                                         "models/bvlc_reference_caffenet/train_val.prototxt"))
+        self.assertEqual(_layer_signature(train), _layer_signature(reference))
+        self.assertEqual([l.type for l in test.layer][-2:], ["SoftmaxWithLoss", "Accuracy"])
+        data = test.layer[0]
+        self.assertEqual((data.type, data.data_param.batch_size), ("Data", 50))
+        data.type = "DummyData"
+        data.ClearField("data_param")
+        data.ClearField("transform_param")
+        for dims in ((2, 3, 227, 227), (2,)):
+            data.dummy_data_param.shape.add().dim.extend(dims)
+        net = caffe.Net(test, caffe.TEST)
+        out = net.forward()
+        self.assertEqual(net.blobs[test.layer[-3].top[0]].data.shape, (2, 1000))
+        self.assertTrue(0 <= out[test.layer[-1].top[0]].item() <= 1)
+
+    def test_linreg_pyloss(self):
+        """linreg.prototxt's Python EuclideanLossLayer agrees with caffepar's EuclideanLoss."""
+        import caffe
+        import numpy as np
+        from caffepar.proto.text import read_net_text
+        sys.path.insert(0, str(self.caffe_root / "examples/pycaffe/layers"))
+        param, _ = read_net_text(str(self.caffe_root / "examples/pycaffe/linreg.prototxt"))
+        python_net = caffe.Net(param, caffe.TRAIN)
+        param.layer[-1].type = "EuclideanLoss"
+        param.layer[-1].ClearField("python_param")
+        native_net = caffe.Net(param, caffe.TRAIN)
+        native_net.share_with(python_net)
+        loss_py = python_net.forward()["loss"].item()
+        python_net.backward()
+        for name in ("x", "y", "ipx", "ipy"):
+            native_net.blobs[name].data[...] = python_net.blobs[name].data
+        loss = native_net.forward(start="loss")["loss"].item()
+        native_net.backward()
+        ipx, ipy = python_net.blobs["ipx"].data, python_net.blobs["ipy"].data
+        self.assertAlmostEqual(loss_py, float(((ipx - ipy) ** 2).sum() / ipx.shape[0] / 2),
+                               places=4)
+        self.assertAlmostEqual(loss_py, loss, places=4)
+        for name in ("ipx", "ipy"):
+            np.testing.assert_allclose(python_net.blobs[name].diff, native_net.blobs[name].diff,
+                                       rtol=1e-5, atol=1e-7)
+            dw_py, dw = python_net.params[name][0].diff, native_net.params[name][0].diff
+            self.assertTrue(np.abs(dw).max() > 0)
+            np.testing.assert_allclose(dw_py, dw, rtol=1e-4, atol=1e-6)
+
+    def test_draw_net_script(self):
+        """python/draw_net.py draws linreg.prototxt."""
+        ext = "png" if shutil.which("dot") else "raw"
+        out = Path(f"linreg.{ext}")
+        argv = sys.argv
+        sys.argv = ["draw_net.py", str(self.caffe_root / "examples/pycaffe/linreg.prototxt"),
+                    str(out), "--phase", "TRAIN", "--display_lrm"]
+        try:
+            runpy.run_path(str(self.caffe_root / "python/draw_net.py"), run_name="__main__")
+        finally:
+            sys.argv = argv
+        head = out.read_bytes()
+        if ext == "png":
+            self.assertTrue(head.startswith(b"\x89PNG"), "draw_net.py wrote no PNG")
+        else:
+            self.assertIn(b"ipx_InnerProduct", head)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("caffe_root", help="a BVLC Caffe source tree (python/caffe/test inside)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="one line per test")
+    ap.add_argument("-k", dest="pattern", default=None,
+                    help="only test modules whose name contains this (and no examples)")
+    args = ap.parse_args()
+    caffe_root = Path(args.caffe_root).resolve()
+    test_dir = caffe_root / "python/caffe/test"
+    if not test_dir.is_dir():
+        ap.error(f"{test_dir} not found: CAFFE_ROOT must be a Caffe source tree")
+    for module, extra in (("six", "six"), ("pydot", "pydot")):
+        try:
+            __import__(module)
+        except ImportError:
+            sys.exit(f"run_pycaffe_tests: pycaffe's tests need {module}: pip install {extra} "
+                     "(or pip install -e '.[dev]')")
+
+    from caffepar.pycaffe import install_as_caffe
+    install_as_caffe()
+    _python_compat()
+    sys.path.insert(0, str(test_dir))
+    Examples.caffe_root = caffe_root
+
+    loader = unittest.TestLoader()
+    suite = unittest.TestSuite()
+    for name in _test_modules(test_dir, args.pattern):
+        suite.addTests(loader.loadTestsFromName(name))
+    if not args.pattern:
+        suite.addTests(loader.loadTestsFromTestCase(Examples))
+
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="pycaffe-tests-") as scratch:
+        os.chdir(scratch)
+        try:
+            result = unittest.TextTestRunner(verbosity=2 if args.verbose else 1).run(suite)
+        finally:
+            os.chdir(cwd)
+    failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
+    skipped = len(result.skipped)
+    passed = result.testsRun - failed - skipped
+    print(f"pycaffe: {passed} passed, {failed} failed, {skipped} skipped")
+    sys.exit(0 if failed == 0 and result.testsRun else 1)
+
+
+if __name__ == "__main__":
+    main()
