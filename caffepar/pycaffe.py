@@ -81,6 +81,17 @@ _CAFFE_MODULES = {
 }
 
 
+def real_caffe_installed():
+    """True when `import caffe` would find a module of its own (a namespace folder named
+    caffe, such as a Caffe checkout's root, does not count)."""
+    import importlib.util
+    current = sys.modules.get("caffe")
+    if current is not None:
+        return getattr(current, "__name__", None) != "caffepar"
+    spec = importlib.util.find_spec("caffe")
+    return spec is not None and spec.origin not in (None, "namespace")
+
+
 def install_as_caffe():
     """Make `import caffe` (and caffe.proto.caffe_pb2, caffe.draw, ...) give caffepar's
     modules in this process, for code written against pycaffe. Refused when a real Caffe is
