@@ -46,9 +46,10 @@ class PythonLayer(Layer):
         self.user.setup(bottom, top)
 
     def __getattr__(self, name):
-        """The user object's own attributes, as pycaffe's `net.layers[i]` is that object."""
+        """The user object's own (public) attributes, as pycaffe's `net.layers[i]` is that
+        object."""
         user = self.__dict__.get("user")
-        if user is None:
+        if user is None or name.startswith("_"):
             raise AttributeError(name)
         return getattr(user, name)
 
