@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Run pycaffe's own test suite and examples against caffepar, from a Caffe checkout.
 
-    python scripts/run_pycaffe_tests.py CAFFE_ROOT [-v] [-k PATTERN]
+    python scripts/run_pycaffe_tests.py CAFFE_ROOT [-v] [-k PATTERN] [--fcn FCN_ROOT]
 
 CAFFE_ROOT is a BVLC Caffe source tree (nothing is downloaded). `import caffe` gives caffepar
 (caffe.proto.caffe_pb2, caffe.draw, caffe.coord_map, ... included) and every test module of
@@ -9,8 +9,11 @@ python/caffe/test runs unchanged, test_nccl aside (NCCL is multi-GPU only). Then
 examples/pycaffe/caffenet.py (NetSpec) must write the layers of models/bvlc_reference_caffenet
 and a net that builds and runs; linreg.prototxt with layers/pyloss.py must give the loss and
 gradients of caffepar's own EuclideanLoss; python/draw_net.py must draw a net (PNG when
-Graphviz's dot is installed, else its .raw dot source). Tests run in a scratch directory
-(test_solver writes snapshots to the working directory). The last line counts the results.
+Graphviz's dot is installed, else its .raw dot source). With --fcn, a checkout of
+fcn.berkeleyvision.org: every */net.py there (NetSpec and coord_map's crop) must write the
+prototxts committed beside it (param_str dicts compared as dicts: those files were written by
+Python 2). Tests run in a scratch directory (test_solver writes snapshots to the working
+directory). The last line counts the results.
 Needs the dev extras (six, which pycaffe's tests import, and pydot).
 """
 import argparse
@@ -130,12 +133,51 @@ class Examples(unittest.TestCase):
             self.assertIn(b"ipx_InnerProduct", head)
 
 
+class FCNNets(unittest.TestCase):
+    fcn_root = None
+
+    def test_net_scripts_write_the_committed_prototxts(self):
+        import ast
+        from caffepar.proto.text import read_net_text
+
+        def normalized(path):
+            net, _ = read_net_text(str(path))
+            for layer in net.layer:
+                if layer.python_param.param_str:
+                    value = ast.literal_eval(layer.python_param.param_str)
+                    layer.python_param.param_str = repr(sorted(value.items()))
+            return net
+
+        scripts = sorted(self.fcn_root.glob("*/net.py"))
+        self.assertTrue(scripts, f"no */net.py under {self.fcn_root}")
+        compared = 0
+        for script in scripts:
+            with self.subTest(net=script.parent.name):
+                out = Path(script.parent.name)
+                out.mkdir()
+                cwd = os.getcwd()
+                os.chdir(out)
+                try:
+                    runpy.run_path(str(script), run_name="__main__")
+                finally:
+                    os.chdir(cwd)
+                for written in sorted(out.glob("*.prototxt")):
+                    committed = script.parent / written.name
+                    if committed.exists():
+                        self.assertEqual(normalized(written), normalized(committed),
+                                         f"{script.parent.name}/{written.name}")
+                        compared += 1
+        self.assertGreater(compared, 0)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("caffe_root", help="a BVLC Caffe source tree (python/caffe/test inside)")
     ap.add_argument("-v", "--verbose", action="store_true", help="one line per test")
     ap.add_argument("-k", dest="pattern", default=None,
                     help="only test modules whose name contains this (and no examples)")
+    ap.add_argument("--fcn", type=Path, default=None,
+                    help="also check the net.py scripts of an fcn.berkeleyvision.org checkout")
     args = ap.parse_args()
     caffe_root = Path(args.caffe_root).resolve()
     test_dir = caffe_root / "python/caffe/test"
@@ -160,6 +202,9 @@ def main():
         suite.addTests(loader.loadTestsFromName(name))
     if not args.pattern:
         suite.addTests(loader.loadTestsFromTestCase(Examples))
+    if args.fcn:
+        FCNNets.fcn_root = args.fcn.resolve()
+        suite.addTests(loader.loadTestsFromTestCase(FCNNets))
 
     cwd = os.getcwd()
     with tempfile.TemporaryDirectory(prefix="pycaffe-tests-") as scratch:
