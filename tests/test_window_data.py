@@ -112,15 +112,18 @@ def test_context_padding_clips_at_the_border_and_mirrors_its_padding(tmp_path):
     assert seen == {"plain", "mirrored"}
 
 
-@pytest.mark.parametrize("mode", ["square", "warp"])
-def test_square_crop_widens_the_short_side(tmp_path, mode):
+@pytest.mark.parametrize("mode, cache", [("square", False), ("warp", True)])
+def test_square_crop_widens_the_short_side(tmp_path, mode, cache):
     """Window (2, 3)-(5, 4) is 4 wide, 2 tall. Square: half sizes 2 and 2 around centre (4, 4)
     give the box (2, 2)-(6, 6), 5 x 5, a crop of 5 with no resizing. Warp: the 2 x 4 window
-    itself, resized to 5 x 5."""
+    itself, resized to 5 x 5 (here from images cached in memory)."""
     img = image(tmp_path, "a.png", 10, 10, 3)
     source = window_file(tmp_path, [("a.png", (10, 10), [(1, 1.0, 2, 3, 5, 4)])])
     net = layer_net(tmp_path, source, crop=5, batch=1, fg=1, mode=mode,
-                    mean="mean_value: 10 mean_value: 20 mean_value: 30")
+                    mean="mean_value: 10 mean_value: 20 mean_value: 30",
+                    extra=f"cache_images: {str(cache).lower()}")
+    if cache:
+        (tmp_path / "a.png").unlink()
     mean = np.array([10, 20, 30], np.float32)[:, None, None]
     region = img[2:7, 2:7] if mode == "square" else cv_resize(np.ascontiguousarray(img[3:5, 2:6]),
                                                               5, 5)

@@ -10,7 +10,8 @@ of context surround it, the part outside the image is left zero and, when mirror
 is mirrored too. Images are read as 3-channel BGR; pixels become (pixel - mean) * scale with the
 mean from transform_param (mean_file, centred on the crop, or mean_value) and the scale from
 window_data_param (Caffe ignores transform_param's scale here). crop_size and mirror come from
-transform_param.
+transform_param. A window belongs to the image record it follows in the window file (Caffe looks
+the image up by the record's "# index", which is the same for files numbered 0, 1, 2, ...).
 """
 import math
 
