@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import caffepar as caffe
-from caffepar.errors import NetError, WeightsError
+from caffepar.errors import DataError, NetError, WeightsError
 from conftest import DATA, need_shared
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -215,3 +215,20 @@ def test_solver_depends_on_the_net_not_on_the_pycaffe_facade():
             imported.update(a.name for a in node.names)
     assert "caffepar.graph.net" in imported
     assert not {m for m in imported if m and "pycaffe" in m}
+
+
+def test_transformer_resizes_an_image_mean_of_another_size():
+    """An ImageNet-style 3 x 256 x 256 mean for a smaller input is resized, as pycaffe does;
+    a mean with the wrong channels is refused."""
+    t = caffe.io.Transformer({"data": (1, 3, 8, 8)})
+    ramp = np.linspace(0, 1, 16, dtype=np.float32)
+    mean = np.stack([np.full((16, 16), 10.0), np.full((16, 16), 20.0),
+                     np.tile(ramp, (16, 1)) * 30]).astype(np.float32)
+    t.set_mean("data", mean)
+    resized = t.mean["data"]
+    assert resized.shape == (3, 8, 8)
+    np.testing.assert_allclose(resized[:2], np.broadcast_to([[[10.0]], [[20.0]]], (2, 8, 8)),
+                               rtol=1e-6)
+    assert np.all(np.diff(resized[2], axis=1) > 0) and np.ptp(resized[2], axis=0).max() < 1e-5
+    with pytest.raises(DataError, match="channels"):
+        t.set_mean("data", np.zeros((4, 8, 8), np.float32))

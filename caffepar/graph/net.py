@@ -100,7 +100,6 @@ class Net:
             layer = layer or create_layer(layer_param, self.phase, self.dtype, where)
             layer.net_dir = self.source_dir
             layer.shard = self.shard
-            layer_id = len(self.layers)
             self.layers.append(layer)
             self._layer_names.append(layer_param.name)
             bottoms, bneed = [], []
