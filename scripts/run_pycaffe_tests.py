@@ -8,8 +8,9 @@ CAFFE_ROOT is a BVLC Caffe source tree (nothing is downloaded). `import caffe` g
 python/caffe/test runs unchanged, test_nccl aside (NCCL is multi-GPU only). Then the examples:
 examples/pycaffe/caffenet.py (NetSpec) must write the layers of models/bvlc_reference_caffenet
 and a net that builds and runs; linreg.prototxt with layers/pyloss.py must give the loss and
-gradients of caffepar's own EuclideanLoss; python/draw_net.py must draw a net (PNG when
-Graphviz's dot is installed, else its .raw dot source). With --fcn, a checkout of
+gradients of caffepar's own EuclideanLoss; examples/finetune_pascal_detection's net (WindowData,
+a loss without a top) must build and train on windows made here; python/draw_net.py must draw a
+net (PNG when Graphviz's dot is installed, else its .raw dot source). With --fcn, a checkout of
 fcn.berkeleyvision.org: every */net.py there (NetSpec and coord_map's crop) must write the
 prototxts committed beside it (param_str dicts compared as dicts: those files were written by
 Python 2). Tests run in a scratch directory (test_solver writes snapshots to the working
@@ -114,6 +115,39 @@ class Examples(unittest.TestCase):
             dw_py, dw = python_net.params[name][0].diff, native_net.params[name][0].diff
             self.assertTrue(np.abs(dw).max() > 0)
             np.testing.assert_allclose(dw_py, dw, rtol=1e-4, atol=1e-6)
+
+    def test_finetune_pascal_detection_net(self):
+        """examples/finetune_pascal_detection (WindowData, a loss layer with no top) builds and
+        trains, on a window file and images made here instead of PASCAL's."""
+        import caffe
+        import numpy as np
+        from PIL import Image
+        from caffepar.io import array_to_blobproto
+        from caffepar.proto.text import read_net_text
+        rng = np.random.default_rng(0)
+        lines = []
+        for i in range(2):
+            Image.fromarray(rng.integers(0, 256, (60, 80, 3), dtype=np.uint8)).save(f"{i}.png")
+            lines += [f"# {i}", os.path.abspath(f"{i}.png"), "3", "60", "80", "2",
+                      f"{i + 1} 0.8 5 5 50 40", "0 0.1 30 20 79 59"]
+        Path("windows.txt").write_text("\n".join(lines) + "\n")
+        mean = np.full((1, 3, 256, 256), 110, np.float32)
+        Path("mean.binaryproto").write_bytes(array_to_blobproto(mean).SerializeToString())
+        param, _ = read_net_text(str(self.caffe_root / "examples/finetune_pascal_detection/"
+                                                       "pascal_finetune_trainval_test.prototxt"))
+        for layer in param.layer:
+            if layer.type == "WindowData":
+                layer.window_data_param.source = os.path.abspath("windows.txt")
+                layer.window_data_param.batch_size = 4
+                layer.transform_param.mean_file = os.path.abspath("mean.binaryproto")
+        self.assertFalse(param.layer[-2].top, "the loss layer is written without a top")
+        net = caffe.Net(param, caffe.TRAIN)
+        self.assertEqual(net.outputs, [])
+        loss = net.forward_backward()
+        self.assertTrue(np.isfinite(loss) and loss > 0)
+        self.assertEqual(list(net.blobs["label"].data[:3]), [0, 0, 0])
+        accuracy = caffe.Net(param, caffe.TEST).forward()["accuracy"].item()
+        self.assertTrue(0 <= accuracy <= 1)
 
     def test_draw_net_script(self):
         """python/draw_net.py draws linreg.prototxt."""
