@@ -74,6 +74,42 @@ def comm_options(fn):
     return fn
 
 
+def cost_options(fn):
+    """Where AUTO and the plan take communication costs from."""
+    flags = [
+        click.option("--calibration", type=click.Path(dir_okay=False), default=None,
+                     help="A calibration file written by `caffepar calibrate`."),
+        click.option("--network", default=None,
+                     help="A cluster network preset: 10gbe, 25gbe or 100gb-ib."),
+        click.option("--alpha", type=float, default=None,
+                     help="Latency per message hop in seconds (with --beta)."),
+        click.option("--beta", type=float, default=None,
+                     help="Seconds per byte (1 / bandwidth; with --alpha)."),
+    ]
+    for flag in reversed(flags):
+        fn = flag(fn)
+    return fn
+
+
+def _cost_model(calibration=None, network=None, alpha=None, beta=None):
+    """The CostModel the options name, or None."""
+    from caffepar.parallel.cost import CostModel
+    given = [n for n, v in (("--calibration", calibration), ("--network", network),
+                            ("--alpha/--beta", alpha if alpha is not None else beta)) if v]
+    if len(given) > 1:
+        raise click.UsageError(f"give one of --calibration, --network, --alpha/--beta "
+                               f"(got {', '.join(given)})")
+    if (alpha is None) != (beta is None):
+        raise click.UsageError("--alpha and --beta go together")
+    if calibration:
+        return CostModel.load(calibration)
+    if network:
+        return CostModel.preset(network)
+    if alpha is not None:
+        return CostModel.from_alpha_beta(alpha, beta)
+    return None
+
+
 def _comm_flags(ranks, flags):
     """The comm flags given on the command line (name -> value), checked against each other
     and against --np."""
@@ -121,17 +157,19 @@ def cli(ctx, debug):
 @click.option("--np", "ranks", default=None, type=click.IntRange(min=1),
               help="Time a parallel run on this many MPI ranks (adds comm ms and MB).")
 @click.option("--parallel", "default_mode", default="hybrid", show_default=True,
-              type=click.Choice(["data", "hybrid"]))
+              type=click.Choice(["data", "hybrid", "auto"]))
 @click.option("--model-parallel", "model_parallel", default="")
 @click.option("--mp-threshold", default=None, type=click.IntRange(min=0))
 @click.option("--threads", default=None, type=click.IntRange(min=1),
               help="BLAS threads per rank (default: cores / ranks).")
 @click.option("--mpiexec", default=None, help="The mpiexec to start ranks with.")
 @comm_options
+@cost_options
 @click.option("--gpu", default=None, hidden=True)
 @click.pass_context
 def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, default_mode,
-             model_parallel, mp_threshold, threads, mpiexec, gpu, **comm_flags):
+             model_parallel, mp_threshold, threads, mpiexec, gpu, calibration, network, alpha,
+             beta, **comm_flags):
     """Time forward and backward of every layer, as `caffe time`."""
     from caffepar.graph.net import Net
     from caffepar.parallel.comm import world_comm
@@ -145,13 +183,14 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
         from caffepar.parallel.options import MERGE_UNAVAILABLE
         raise click.UsageError(MERGE_UNAVAILABLE)
     options = CommOptions().with_flags(**_comm_flags(ranks, comm_flags))
+    cost_model = _cost_model(calibration, network, alpha, beta)
     _relaunch_if_asked(ctx, ranks, threads, mpiexec)
     comm = world_comm()
     ctx.obj["comm"] = comm
     extra = {}
     if comm.size > 1:
         from caffepar.parallel.model_parallel import layer_factory
-        planner = _planner(default_mode, model_parallel, mp_threshold)
+        planner = _planner(default_mode, model_parallel, mp_threshold, cost_model, comm.size)
         extra = {"shard": (comm.rank, comm.size), "layer_factory": layer_factory(comm, planner)}
     net = Net(model, phase=_phase(phase), level=level, stages=stage, weights=weights, **extra)
     say = click.echo if comm.rank == 0 else (lambda *a, **k: None)
@@ -185,7 +224,7 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
 @click.option("--np", "ranks", default=None, type=click.IntRange(min=1),
               help="Run on this many MPI ranks (started with the bundled mpiexec).")
 @click.option("--parallel", "default_mode", default="hybrid", show_default=True,
-              type=click.Choice(["data", "hybrid"]),
+              type=click.Choice(["data", "hybrid", "auto"]),
               help="Mode of layers without parallel_mode: all data parallel, or the paper's "
                    "hybrid (big InnerProducts model parallel).")
 @click.option("--model-parallel", "model_parallel", default="",
@@ -197,11 +236,13 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
               help="BLAS threads per rank (default: cores / ranks).")
 @click.option("--mpiexec", default=None, help="The mpiexec to start ranks with.")
 @comm_options
+@cost_options
 @click.option("--gpu", default=None, hidden=True)
 @click.pass_context
 def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_effect,
               sighup_effect, log_file, csv_file, ranks, default_mode, model_parallel,
-              mp_threshold, log_all_ranks, threads, mpiexec, gpu, **comm_flags):
+              mp_threshold, log_all_ranks, threads, mpiexec, gpu, calibration, network, alpha,
+              beta, **comm_flags):
     """Train a net with a solver, as `caffe train`; with --np, over MPI ranks."""
     from caffepar.parallel.comm import world_comm
     from caffepar.training import run_training
@@ -214,10 +255,11 @@ def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_e
         from caffepar.proto.text import read_solver_text
         from caffepar.training import comm_options
         comm_options(read_solver_text(solver), solver, comm_flags, ranks)
+    cost_model = _cost_model(calibration, network, alpha, beta)
     _relaunch_if_asked(ctx, ranks, threads, mpiexec)
     comm = world_comm()
     ctx.obj["comm"] = comm
-    planner = _planner(default_mode, model_parallel, mp_threshold)
+    planner = _planner(default_mode, model_parallel, mp_threshold, cost_model, comm.size)
     run_training(solver, weights=weights, snapshot=snapshot, iterations=iterations,
                  level=level, stages=stage, sigint_effect=sigint_effect,
                  sighup_effect=sighup_effect, log_file=log_file, csv_file=csv_file,
@@ -320,9 +362,9 @@ def data_mean(db, out, backend):
 @cli.command("plan")
 @click.option("--model", required=True, type=click.Path(dir_okay=False))
 @click.option("--np", "ranks", default=2, show_default=True, type=click.IntRange(min=1),
-              help="Number of ranks to plan for.")
+              help="Number of ranks to plan for (no ranks are started).")
 @click.option("--parallel", "default", default="hybrid", show_default=True,
-              type=click.Choice(["data", "hybrid"]),
+              type=click.Choice(["data", "hybrid", "auto"]),
               help="Default mode of layers without parallel_mode.")
 @click.option("--model-parallel", "model_parallel", default="",
               help="Comma-separated InnerProduct layers to run MODEL whatever the default.")
@@ -332,33 +374,154 @@ def data_mean(db, out, backend):
               default="TRAIN", show_default=True)
 @click.option("--profile", "profile_iterations", default=0, show_default=True,
               type=click.IntRange(min=0),
-              help="Time this many forward/backward passes here and say whether the net is "
-                   "AlexNet-like (seed 004) and where it splits.")
+              help="Time this many forward/backward passes here: the compute of the predicted "
+                   "iteration, and whether the net is AlexNet-like (seed 004) and where it "
+                   "splits.")
+@click.option("--profile-file", type=click.Path(dir_okay=False), default=None,
+              help="Take the compute from a profile saved by --save-profile.")
+@click.option("--save-profile", type=click.Path(dir_okay=False), default=None,
+              help="Write the --profile timings to this file (for --profile-file).")
 @click.option("--batch", default=None, type=click.IntRange(min=1),
-              help="Profile at this batch per rank (default: the prototxt's).")
+              help="Batch per rank to plan and profile at (default: the prototxt's).")
+@cost_options
 def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase, profile_iterations,
-             batch):
-    """Print each parameterised layer's parallel mode and why."""
+             profile_file, save_profile, batch, calibration, network, alpha, beta):
+    """Print each parameterised layer's parallel mode and why; with a network, a calibration
+    or --alpha/--beta, the predicted communication per mode and the iteration time of DATA,
+    HYBRID and AUTO."""
+    from caffepar.fillers import shapes_only
     from caffepar.graph.net import Net
+    from caffepar.graph.passes import with_batch
     from caffepar.parallel.plan import format_plan, make_plan
-    net = Net(model, phase=_phase(phase))
-    plans = make_plan(net, _planner(default, model_parallel, mp_threshold), net.source_map)
-    net_batch = next((b.shape[0] for n, b in net.blobs.items()
-                      if n in net.inputs or n == "data"), None)
-    click.echo(format_plan(plans, ranks, batch or net_batch))
-    if profile_iterations:
-        from caffepar.graph.passes import with_batch
-        from caffepar.parallel.buckets import detect_alexnet_like
-        from caffepar.parallel.gradsync import layer_parameters
-        from caffepar.timing import benchmark
+    from caffepar.timing import load_profile
+    if save_profile and not profile_iterations:
+        raise click.UsageError("--save-profile needs --profile N")
+    if profile_file and profile_iterations:
+        raise click.UsageError("give --profile N or --profile-file, not both")
+    cost_model = _cost_model(calibration, network, alpha, beta)
+    profile = load_profile(profile_file) if profile_file else None
+    with shapes_only():
+        net = Net(model, phase=_phase(phase))
+        net_batch = _net_batch(net)
         if batch and batch != net_batch:
             net = Net(with_batch(net.param, batch), phase=_phase(phase))
+    batch = batch or net_batch
+    planner = _planner(default, model_parallel, mp_threshold, cost_model, ranks)
+    plans = make_plan(net, planner, net.source_map)
+    click.echo(format_plan(plans, ranks, batch, cost_model))
+    if profile_iterations:
+        from caffepar.parallel.buckets import detect_alexnet_like
+        from caffepar.parallel.gradsync import layer_parameters
+        from caffepar.timing import benchmark, profile_dict
+        net = Net(net.param, phase=_phase(phase))
         result = benchmark(net, profile_iterations)
         detection = detect_alexnet_like([l.name for l in net.layers], result.backward_ms,
                                         layer_parameters(net))
         click.echo(f"Backward profile ({profile_iterations} iteration(s) in this process at "
-                   f"batch {batch or net_batch}, {result.backward_ms.sum():.1f} ms): "
+                   f"batch {batch}, {result.backward_ms.sum():.1f} ms): "
                    f"{detection.describe()}")
+        profile = profile_dict(net, result, batch)
+        if save_profile:
+            import json
+            with open(save_profile, "w", encoding="utf-8") as f:
+                json.dump(profile, f, indent=1)
+            click.echo(f"wrote the profile to {save_profile}")
+    if cost_model is not None:
+        click.echo(format_prediction(net, plans, model_parallel, mp_threshold, cost_model,
+                                     ranks, batch, profile))
+
+
+def _net_batch(net):
+    return next((b.shape[0] for n, b in net.blobs.items()
+                 if (n in net.inputs or n == "data") and b.shape), None)
+
+
+def format_prediction(net, plans, model_parallel, mp_threshold, cost_model, ranks, batch,
+                      profile):
+    """Predicted iteration time of DATA, HYBRID and AUTO (no overlap of compute and comm)."""
+    from caffepar.parallel.cost import MODEL, describe, iteration_comm_ms
+    from caffepar.parallel.plan import make_plan
+    from caffepar.timing import profile_compute_ms
+    compute = profile_compute_ms(profile, batch) if profile else None
+    lines = ["", f"Communication model: {describe(cost_model)}"]
+    if profile:
+        lines.append(f"Compute: forward + backward {compute:.1f} ms at batch {batch} per rank "
+                     f"(profile at batch {profile['batch']} on {profile.get('cpus', '?')} "
+                     f"CPUs of {profile.get('machine') or 'this machine'}"
+                     f"{', scaled linearly' if profile['batch'] != batch else ''}; a MODEL "
+                     "layer computes the same FLOPs as DATA)")
+    else:
+        lines.append("Compute: not given (--profile N measures it here, --profile-file F "
+                     "takes a saved one); comm alone below")
+    lines.append(f"Predicted per iteration at P={ranks}, batch {batch} per rank:")
+    lines.append(f"  {'plan':<8}{'compute ms':>12}{'comm ms':>12}{'iteration ms':>14}  "
+                 "model parallel layers")
+    for name, default in (("DATA", "data"), ("HYBRID", "hybrid"), ("AUTO", "auto")):
+        chosen = plans if name == "AUTO" and default == "auto" else make_plan(
+            net, _planner(default, model_parallel if name != "DATA" else "", mp_threshold,
+                          cost_model, ranks), net.source_map)
+        modes = {p.name: p.mode for p in chosen}
+        comm = iteration_comm_ms(chosen, modes, cost_model, ranks)
+        split = ", ".join(p.name for p in chosen if p.mode == MODEL) or "none"
+        total = f"{compute + comm:>14.1f}" if compute is not None else f"{'-':>14}"
+        shown = f"{compute:>12.1f}" if compute is not None else f"{'-':>12}"
+        lines.append(f"  {name:<8}{shown}{comm:>12.2f}{total}  {split}")
+    return "\n".join(lines)
+
+
+@cli.command("calibrate")
+@click.option("--np", "ranks", default=None, type=click.IntRange(min=2),
+              help="Ranks to measure on (started with the bundled mpiexec); required unless "
+                   "started under mpiexec.")
+@click.option("--transport", default="shm", show_default=True,
+              type=click.Choice(["shm", "tcp"]),
+              help="shm: MPI's own choice on this machine; tcp: MPI's network path over "
+                   "loopback (every rank as if on its own node).")
+@click.option("-o", "--output", "output", default="calibration.json", show_default=True,
+              type=click.Path(dir_okay=False),
+              help="Calibration file; fits at other P already in it are kept.")
+@click.option("--max-mb", default=16.0, show_default=True, type=click.FloatRange(min=0.001),
+              help="Largest message measured, MiB.")
+@click.option("--repeats", default=5, show_default=True, type=click.IntRange(min=3))
+@click.option("--mpiexec", default=None, help="The mpiexec to start ranks with.")
+@click.pass_context
+def calibrate_cmd(ctx, ranks, transport, output, max_mb, repeats, mpiexec):
+    """Measure latency and bandwidth of each collective caffepar runs (alpha-beta fit per
+    collective) and save them for plan, train and time (--calibration FILE)."""
+    from caffepar.parallel.comm import launched_by_mpi, world_comm
+    from caffepar.parallel.cost import CostModel
+    previous = None
+    if os.path.exists(output):
+        previous = CostModel.load(output)
+        if previous.transport and previous.transport != transport:
+            raise click.UsageError(f"{output} holds a {previous.transport} calibration; "
+                                   f"write the {transport} one to another file")
+    if not launched_by_mpi():
+        if not ranks:
+            raise click.UsageError("give --np P (2 or more ranks)")
+        from caffepar.parallel.launch import relaunch, strip_option
+        sys.exit(relaunch(ranks, strip_option(ctx.obj["argv"], {"--np", "--mpiexec"}), 1,
+                          mpiexec, transport=transport))
+    from caffepar.parallel.calibrate import calibrate, fit_error
+    comm = world_comm()
+    ctx.obj["comm"] = comm
+    say = click.echo if comm.rank == 0 else (lambda *a, **k: None)
+    say(f"Calibrating {comm.size} ranks over {transport}: "
+        f"{', '.join(('allreduce', 'allgather', 'reduce_scatter', 'alltoall', 'bcast'))}, "
+        f"4 B to {max_mb:g} MiB, median of {repeats}")
+    model = calibrate(comm, transport, int(max_mb * 2 ** 20), repeats, progress=lambda n, t: say(
+        f"{n:>12,} B  " + "  ".join(f"{op} {s * 1e3:.4f} ms" for op, s in t.items())))
+    if comm.rank == 0:
+        for op, (a, b) in model.fit_for(comm.size).items():
+            say(f"{op:<15} alpha {a * 1e6:8.2f} us   beta {b * 1e9:8.4f} ns/B "
+                f"({1 / b / 1e9:.2f} GB/s)")
+        say(f"fit's median relative error on its own samples: "
+            f"{100 * fit_error(model, comm.size):.0f}%")
+        if previous is not None:
+            model = previous.merged(model)
+        model.source = os.path.basename(output)
+        model.save(output)
+        say(f"wrote {output} (fits at P={', '.join(map(str, sorted(model.fits)))})")
 
 
 @cli.group("convert")
@@ -474,10 +637,11 @@ def convert_onnx(model, weights, out, verify, batch, opset, allow_missing):
         click.echo("verified: onnxruntime matches caffepar")
 
 
-def _planner(default_mode, model_parallel, mp_threshold):
+def _planner(default_mode, model_parallel, mp_threshold, cost_model=None, ranks=1):
     from caffepar.parallel.plan import DEFAULT_THRESHOLD, Planner
     return Planner(default_mode, [n for n in model_parallel.split(",") if n],
-                   DEFAULT_THRESHOLD if mp_threshold is None else mp_threshold)
+                   DEFAULT_THRESHOLD if mp_threshold is None else mp_threshold,
+                   cost_model=cost_model, ranks=ranks)
 
 
 def _relaunch_if_asked(ctx, ranks, threads, mpiexec):

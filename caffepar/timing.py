@@ -133,3 +133,43 @@ def format_benchmark(net, result):
               f"Total Time: {result.total_ms:.4f} ms.",
               "*** Benchmark ends ***"]
     return "\n".join(lines)
+
+
+PROFILE_FORMAT = "caffepar-profile/1"
+
+
+def profile_dict(net, result, batch):
+    """A compute profile for `caffepar plan`: each layer's forward and backward ms at `batch`
+    images per rank on this machine."""
+    import os
+    import platform
+    return {"format": PROFILE_FORMAT, "net": net.name, "batch": int(batch),
+            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "iterations": result.iterations,
+            "forward_ms": dict(zip(net._layer_names, map(float, result.forward_ms))),
+            "backward_ms": dict(zip(net._layer_names, map(float, result.backward_ms)))}
+
+
+def load_profile(path):
+    import json
+
+    from caffepar.errors import CaffeparError
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise CaffeparError(f"cannot read profile {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise CaffeparError(f"{path}: not a profile (bad JSON: {e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT or \
+            not isinstance(doc.get("forward_ms"), dict) or not doc.get("batch"):
+        raise CaffeparError(f"{path}: not a caffepar profile (expected format "
+                            f'"{PROFILE_FORMAT}" with batch, forward_ms, backward_ms)')
+    return doc
+
+
+def profile_compute_ms(profile, batch):
+    """Forward + backward ms of the whole net at `batch` per rank, scaled linearly from the
+    profile's batch."""
+    total = sum(profile["forward_ms"].values()) + sum(profile["backward_ms"].values())
+    return total * batch / profile["batch"]

@@ -5,7 +5,7 @@ import numpy as np
 
 from caffepar.blob import Blob, BlobVec
 from caffepar.errors import LayerError, NetError
-from caffepar.fillers import fill
+from caffepar.fillers import fill, filling
 
 LAYERS = {}
 
@@ -127,7 +127,7 @@ class Layer:
     def add_param_blob(self, shape, filler=None):
         blob = Blob(shape, self.dtype)
         blob.is_param = True
-        if filler is not None:
+        if filler is not None and filling():
             blob.data[...] = fill(filler, blob.shape, self.dtype)
         self.blobs.append(blob)
         return blob
