@@ -432,8 +432,8 @@ def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase, profile
 
 
 def _net_batch(net):
-    return next((b.shape[0] for n, b in net.blobs.items()
-                 if (n in net.inputs or n == "data") and b.shape), None)
+    """The batch of the net's first blob (its input or first data layer's top)."""
+    return next((b.shape[0] for b in net.blobs.values() if b.shape), None)
 
 
 def format_prediction(net, plans, model_parallel, mp_threshold, cost_model, ranks, batch,

@@ -154,9 +154,10 @@ def inner_product_calls(fan_in, num_output, batch, ranks, mode, bias=True, botto
                         itemsize=4):
     """The collectives one iteration of an InnerProduct runs, as (op, bytes recorded): DATA
     reduces its weight and bias gradients (K*N + N values); MODEL allgathers the bottoms, sends
-    the outputs and top diffs back and forth (all-to-all) and reduce-scatters the bottom diff:
-    the paper's 3*M*K*P + 2*M*N*P values less one M*K*P, the second broadcast of the bottoms,
-    which caffepar keeps from forward instead."""
+    the outputs and top diffs back and forth (all-to-all) and reduce-scatters the bottom diff.
+    Sizes are each rank's buffers (2*P*M*K + 2*M*N values): the paper's 3*M*K*P + 2*M*N*P
+    counts the outputs of all P ranks and a second broadcast of the bottoms, which caffepar
+    keeps from forward instead."""
     if ranks <= 1:
         return []
     if mode == DATA:
