@@ -427,8 +427,8 @@ def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase, profile
                 json.dump(profile, f, indent=1)
             click.echo(f"wrote the profile to {save_profile}")
     if cost_model is not None:
-        click.echo(format_prediction(net, plans, model_parallel, mp_threshold, cost_model,
-                                     ranks, batch, profile))
+        click.echo(format_prediction(net, model_parallel, mp_threshold, cost_model, ranks,
+                                     batch, profile))
 
 
 def _net_batch(net):
@@ -436,11 +436,10 @@ def _net_batch(net):
     return next((b.shape[0] for b in net.blobs.values() if b.shape), None)
 
 
-def format_prediction(net, plans, model_parallel, mp_threshold, cost_model, ranks, batch,
-                      profile):
+def format_prediction(net, model_parallel, mp_threshold, cost_model, ranks, batch, profile):
     """Predicted iteration time of DATA, HYBRID and AUTO (no overlap of compute and comm)."""
-    from caffepar.parallel.cost import MODEL, describe, iteration_comm_ms
-    from caffepar.parallel.plan import make_plan
+    from caffepar.parallel.cost import MODEL, describe
+    from caffepar.parallel.plan import DEFAULT_THRESHOLD, compare_plans
     from caffepar.timing import profile_compute_ms
     compute = profile_compute_ms(profile, batch) if profile else None
     lines = ["", f"Communication model: {describe(cost_model)}"]
@@ -453,16 +452,15 @@ def format_prediction(net, plans, model_parallel, mp_threshold, cost_model, rank
     else:
         lines.append("Compute: not given (--profile N measures it here, --profile-file F "
                      "takes a saved one); comm alone below")
-    lines.append(f"Predicted per iteration at P={ranks}, batch {batch} per rank:")
+    lines.append(f"Predicted per iteration at P={ranks}, batch {batch} per rank (compute and "
+                 "communication one after the other):")
     lines.append(f"  {'plan':<8}{'compute ms':>12}{'comm ms':>12}{'iteration ms':>14}  "
                  "model parallel layers")
-    for name, default in (("DATA", "data"), ("HYBRID", "hybrid"), ("AUTO", "auto")):
-        chosen = plans if name == "AUTO" and default == "auto" else make_plan(
-            net, _planner(default, model_parallel if name != "DATA" else "", mp_threshold,
-                          cost_model, ranks), net.source_map)
-        modes = {p.name: p.mode for p in chosen}
-        comm = iteration_comm_ms(chosen, modes, cost_model, ranks)
-        split = ", ".join(p.name for p in chosen if p.mode == MODEL) or "none"
+    compared = compare_plans(net, cost_model, ranks, [n for n in model_parallel.split(",") if n],
+                             DEFAULT_THRESHOLD if mp_threshold is None else mp_threshold,
+                             net.source_map)
+    for name, (plans, comm) in compared.items():
+        split = ", ".join(p.name for p in plans if p.mode == MODEL) or "none"
         total = f"{compute + comm:>14.1f}" if compute is not None else f"{'-':>14}"
         shown = f"{compute:>12.1f}" if compute is not None else f"{'-':>12}"
         lines.append(f"  {name:<8}{shown}{comm:>12.2f}{total}  {split}")

@@ -150,7 +150,7 @@ def test_plan_at_4096_ranks_is_quick_and_predicts_every_plan(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert seconds < 5, f"plan --np 4096 took {seconds:.1f} s"
     out = proc.stdout
-    assert "Predicted per iteration at P=4096, batch 4 per rank:" in out
+    assert "Predicted per iteration at P=4096, batch 4 per rank" in out
     for plan in ("DATA", "HYBRID", "AUTO"):
         assert f"\n  {plan} " in out
     assert "fc6, fc7" in out           # HYBRID's threshold rule splits fc6 and fc7

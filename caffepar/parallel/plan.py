@@ -171,3 +171,21 @@ def shard_rows(n, ranks):
     counts = np.array([n // ranks + (r < n % ranks) for r in range(ranks)], np.int64)
     offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
     return counts, offsets
+
+
+PLANS = (("DATA", "data"), ("HYBRID", "hybrid"), ("AUTO", "auto"))
+
+
+def compare_plans(net, cost_model, ranks, model_parallel=(), threshold=DEFAULT_THRESHOLD,
+                  source_map=None):
+    """{DATA, HYBRID, AUTO: (LayerPlans, predicted comm ms of one iteration)}: every layer
+    data parallel; the paper's threshold rule; AUTO from `cost_model`."""
+    from caffepar.parallel.cost import iteration_comm_ms
+    out = {}
+    for name, default in PLANS:
+        forced = () if name == "DATA" else model_parallel
+        plans = make_plan(net, Planner(default, forced, threshold, cost_model, ranks),
+                          source_map)
+        out[name] = plans, iteration_comm_ms(plans, {p.name: p.mode for p in plans},
+                                             cost_model, ranks)
+    return out
