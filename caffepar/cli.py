@@ -179,9 +179,6 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
     if comm_flags.get("momentum_correction"):
         raise click.UsageError("--momentum-correction needs a solver's momentum: it is an "
                                "option of caffepar train")
-    if comm_flags.get("merge"):
-        from caffepar.parallel.options import MERGE_UNAVAILABLE
-        raise click.UsageError(MERGE_UNAVAILABLE)
     options = CommOptions().with_flags(**_comm_flags(ranks, comm_flags))
     cost_model = _cost_model(calibration, network, alpha, beta)
     _relaunch_if_asked(ctx, ranks, threads, mpiexec)
@@ -194,7 +191,8 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
         extra = {"shard": (comm.rank, comm.size), "layer_factory": layer_factory(comm, planner)}
     net = Net(model, phase=_phase(phase), level=level, stages=stage, weights=weights, **extra)
     say = click.echo if comm.rank == 0 else (lambda *a, **k: None)
-    result = benchmark(net, iterations, comm=comm, options=options, progress=lambda i, ms: say(
+    result = benchmark(net, iterations, comm=comm, options=options, cost_model=cost_model,
+                       progress=lambda i, ms: say(
         f"Iteration: {i} forward-backward time: {ms:.2f} ms."))
     say(format_benchmark(net, result))
     if options.timeline:

@@ -20,7 +20,7 @@ class Benchmark:
     options: str = ""
 
 
-def benchmark(net, iterations, progress=None, comm=None, options=None):
+def benchmark(net, iterations, progress=None, comm=None, options=None, cost_model=None):
     """Run `iterations` forward+backward passes layer by layer, timing each layer. Backward runs
     for every layer as in Caffe's tool, bottoms getting diffs only where the net needs them.
     Communication inside a layer is counted in its time and also reported on its own. In a
@@ -38,7 +38,7 @@ def benchmark(net, iterations, progress=None, comm=None, options=None):
             timeline.watch(net)
     sync = None
     if comm is not None and comm.size > 1:
-        sync = GradientSync(net, comm, options, timeline=timeline)
+        sync = GradientSync(net, comm, options, timeline=timeline, cost_model=cost_model)
         if not sync.plain:
             net.observers.append(sync)
     n = len(net.layers)

@@ -240,3 +240,19 @@ layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "y" bottom: "label" top: "
     assert proc.returncode == 0, proc.stderr
     fc_backward = next(l for l in proc.stdout.splitlines() if "fc\tbackward" in l)
     assert ("comm:" in fc_backward) == split, proc.stdout
+
+
+def test_merge_auto_plans_with_the_cost_model():
+    """Latency-bound: every layer's gradients travel in one bucket; bandwidth-bound with
+    backward slower than communication: a bucket per layer, each sent while the layers below
+    run backward."""
+    from caffepar.parallel.buckets import Unit
+    from caffepar.parallel.schedule import merge_buckets
+    units = [Unit(f"l{i}", i, i * 1000, (i + 1) * 1000, i) for i in (3, 2, 1, 0)]
+    backward_ms = [10.0, 10.0, 10.0, 10.0]
+    latency = CostModel.from_alpha_beta(1e-2, 1e-15)
+    buckets, (before, after) = merge_buckets(units, backward_ms, latency, 8)
+    assert len(buckets) == 1 and after < before
+    bandwidth = CostModel.from_alpha_beta(0.0, 1e-9)
+    buckets, (before, after) = merge_buckets(units, backward_ms, bandwidth, 8)
+    assert len(buckets) == 4 and after == before

@@ -28,7 +28,7 @@ def _calls(comm, nbytes):
     }, n * 4
 
 
-def measure(comm, max_bytes=16 * 2 ** 20, repeats=5, progress=None):
+def measure(comm, max_bytes=16 * 2 ** 20, repeats=5, progress=None, ops=OPS):
     """{op: [(P, bytes, seconds)]}: per size the median over `repeats` (after one warm-up) of
     the slowest rank's time, ranks lined up by a barrier before every call."""
     sizes = []
@@ -36,10 +36,10 @@ def measure(comm, max_bytes=16 * 2 ** 20, repeats=5, progress=None):
     while size <= max_bytes:
         sizes.append(size)
         size *= 4
-    samples = {op: [] for op in OPS}
+    samples = {op: [] for op in ops}
     for nbytes in sizes:
         calls, actual = _calls(comm, nbytes)
-        for op in OPS:
+        for op in ops:
             times = []
             for rep in range(repeats + 1):
                 comm.barrier()
@@ -51,7 +51,7 @@ def measure(comm, max_bytes=16 * 2 ** 20, repeats=5, progress=None):
                 comm.comm.Allreduce(comm.MPI.IN_PLACE, slowest, op=comm.MPI.MAX)
             samples[op].append((comm.size, actual, float(np.median(slowest))))
         if progress:
-            progress(actual, {op: samples[op][-1][2] for op in OPS})
+            progress(actual, {op: samples[op][-1][2] for op in ops})
     comm.stats.reset()
     return samples
 
@@ -75,3 +75,12 @@ def fit_error(model, ranks):
     errs = [abs(model.collective_s(op, ranks, b) - s) / s
             for op, rows in samples.items() for b, s in rows if s > 0]
     return float(np.median(errs)) if errs else float("nan")
+
+
+def allreduce_model(comm, max_bytes=4 * 2 ** 20, repeats=3):
+    """A quick model of the allreduce alone (merge auto without a calibration): about a
+    second on the ranks at hand; every rank must call it."""
+    samples = measure(comm, max_bytes, repeats, ops=("allreduce",))
+    fit = fit_alpha_beta("allreduce", samples["allreduce"])
+    return CostModel({comm.size: {op: fit for op in OPS}},
+                     f"allreduce measured on these {comm.size} ranks", "", {})

@@ -108,7 +108,8 @@ class ParallelSolverMixin:
             check_solver(options, self.param, source)
             correction = (self.param.momentum, self._add_decay)
         self.sync = GradientSync(net, comm, options, timeline=timeline,
-                                 momentum_correction=correction)
+                                 momentum_correction=correction,
+                                 cost_model=getattr(planner, "cost_model", None))
         if not self.sync.plain:
             net.observers.append(self.sync)
         self._passes = 0

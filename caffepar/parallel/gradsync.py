@@ -66,14 +66,16 @@ class GradientSync:
     so that it can start buckets during backward."""
 
     def __init__(self, net, comm, options, planner=None, timeline=None, clock=time.perf_counter,
-                 momentum_correction=None):
-        """momentum_correction: (momentum, add_decay) for top-k's momentum correction."""
+                 momentum_correction=None, cost_model=None):
+        """momentum_correction: (momentum, add_decay) for top-k's momentum correction;
+        cost_model: what merge auto plans with (measured on the ranks when None)."""
         self.net, self.comm, self.options = net, comm, options
         self.timeline = timeline
         self.clock = clock
         self.grad = net.param_diff[:net.replicated_count]
         self.plain = options.plain or comm.size == 1
         self.plan_buckets = planner
+        self.cost_model = cost_model
         self.iteration = 0
         self.armed = False
         self.reductions = 0
@@ -83,9 +85,6 @@ class GradientSync:
         self.topk = None
         if self.plain:
             return
-        if options.merge and planner is None:
-            from caffepar.parallel.options import MERGE_UNAVAILABLE
-            raise CaffeparError(MERGE_UNAVAILABLE)
         self.units = gradient_units(net)
         layout = ""
         if options.hierarchical:
@@ -317,6 +316,9 @@ class GradientSync:
             return
         self.profiling = False
         backward_ms = self.backward_s * 1e3 / PROFILE_ITERATIONS
+        if self.options.merge and self.plan_buckets is None and self.cost_model is None:
+            from caffepar.parallel.calibrate import allreduce_model
+            self.cost_model = allreduce_model(self.comm)        # every rank takes part
         plan = None
         if self.comm.rank == 0:
             plan = self._plan(backward_ms)
@@ -332,6 +334,14 @@ class GradientSync:
         net = self.net
         if self.plan_buckets is not None:
             buckets = self.plan_buckets(self.units, backward_ms)
+        elif self.options.merge:
+            from caffepar.parallel.cost import describe
+            from caffepar.parallel.schedule import merge_buckets
+            buckets, gain = merge_buckets(self.units, backward_ms, self.cost_model,
+                                          self.comm.size, self.grad.itemsize)
+            LOGGER.info(f"Optimal merge (MG-WFBP) with {describe(self.cost_model)}: "
+                        f"{len(buckets)} bucket(s) for {len(self.units)} layer(s), modelled "
+                        f"backward + communication {gain[0]:.1f} -> {gain[1]:.1f} ms")
         else:
             detection = detect_alexnet_like([l.name for l in net.layers], backward_ms,
                                             layer_parameters(net))

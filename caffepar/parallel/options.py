@@ -154,15 +154,8 @@ def check_against_ranks(options, ranks, path=None):
             raise PrototxtError(message, path=path, line=_line_of(path, "ranks_per_node"))
 
 
-MERGE_UNAVAILABLE = ("merge auto is not available yet: it plans buckets with the "
-                     "communication cost model, which this build does not have")
-
-
 def check_solver(options, param, path=None):
-    """Momentum correction replaces the momentum of an SGD solver: it needs one. (And merge
-    auto needs the cost model.)"""
-    if options.merge:
-        raise PrototxtError(MERGE_UNAVAILABLE, path=path)
+    """Momentum correction replaces the momentum of an SGD solver: it needs one."""
     if options.momentum_correction:
         from caffepar.proto.upgrade import upgrade_solver
         solver_type = upgrade_solver(param, source=path)[0].type

@@ -80,3 +80,19 @@ def optimal_merge(units, forward_s, backward_s, update_s, comm_s, prepare_s=None
         else:
             n += 1
     return buckets
+
+
+def merge_buckets(units, backward_ms, cost_model, ranks, itemsize=4):
+    """`--merge auto`: seed 001's merge of layer buckets with each bucket's allreduce predicted
+    by `cost_model` at `ranks`; returns (buckets, (modelled ms with a bucket per layer, with
+    the merged buckets))."""
+    backward_s = [t / 1e3 for t in backward_ms]
+
+    def comm_s(bucket):
+        return cost_model.collective_s("allreduce", ranks, bucket.count * itemsize)
+
+    def modelled(buckets):
+        return 1e3 * model_iteration(0.0, backward_s, 0.0, buckets, comm_s).iteration_s
+
+    buckets = optimal_merge(units, 0.0, backward_s, 0.0, comm_s)
+    return buckets, (modelled([Bucket([u]) for u in units]), modelled(buckets))

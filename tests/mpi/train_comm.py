@@ -36,6 +36,7 @@ def comm_configs(ranks):
         "hierarchical_nodes": {"hierarchical": True, "ranks_per_node": ranks // 2,
                                "overlap": True},
         "topk_dense": {"topk": 1.0, "topk_refresh": 1, "overlap": True},
+        "merge": {"merge": "auto"},
     }
 
 
