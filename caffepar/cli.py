@@ -381,9 +381,15 @@ def data_mean(db, out, backend):
               help="Write the --profile timings to this file (for --profile-file).")
 @click.option("--batch", default=None, type=click.IntRange(min=1),
               help="Batch per rank to plan and profile at (default: the prototxt's).")
+@click.option("--ranks-per-node", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Node size for the predicted hierarchical reduction.")
+@click.option("--topk", "topk_ratio", default=0.01, show_default=True,
+              type=click.FloatRange(min=0, min_open=True, max=1),
+              help="Ratio for the predicted top-k option.")
 @cost_options
 def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase, profile_iterations,
-             profile_file, save_profile, batch, calibration, network, alpha, beta):
+             profile_file, save_profile, batch, ranks_per_node, topk_ratio, calibration, network,
+             alpha, beta):
     """Print each parameterised layer's parallel mode and why; with a network, a calibration
     or --alpha/--beta, the predicted communication per mode and the iteration time of DATA,
     HYBRID and AUTO."""
@@ -427,6 +433,9 @@ def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase, profile
     if cost_model is not None:
         click.echo(format_prediction(net, model_parallel, mp_threshold, cost_model, ranks,
                                      batch, profile))
+        if profile:
+            click.echo(format_options(net, cost_model, ranks, batch, profile, ranks_per_node,
+                                      topk_ratio))
 
 
 def _net_batch(net):
@@ -462,6 +471,31 @@ def format_prediction(net, model_parallel, mp_threshold, cost_model, ranks, batc
         total = f"{compute + comm:>14.1f}" if compute is not None else f"{'-':>14}"
         shown = f"{compute:>12.1f}" if compute is not None else f"{'-':>12}"
         lines.append(f"  {name:<8}{shown}{comm:>12.2f}{total}  {split}")
+    return "\n".join(lines)
+
+
+def format_options(net, cost_model, ranks, batch, profile, ranks_per_node, topk_ratio):
+    """Predicted iteration of the all-DATA plan with each gradient communication option."""
+    from caffepar.parallel.buckets import gradient_units
+    from caffepar.parallel.cost import node_model
+    from caffepar.parallel.schedule import OPTIONS, predict_options
+    scale = batch / profile["batch"]
+    names = net._layer_names
+    forward = sum(profile["forward_ms"].get(n, 0.0) for n in names) * scale
+    backward = [profile["backward_ms"].get(n, 0.0) * scale for n in names]
+    nodes = ranks_per_node if ranks % ranks_per_node == 0 and ranks_per_node < ranks else None
+    predicted = predict_options(gradient_units(net), forward, backward, 0.0, cost_model, ranks,
+                                topk_ratio, nodes, node_model())
+    lines = ["", f"Gradient options, every layer DATA (top-k ratio {topk_ratio:g}, selection "
+                 "not modelled; hierarchical: "
+             + (f"nodes of {nodes} ranks over shared memory" if nodes else
+                f"--ranks-per-node {ranks_per_node} does not split {ranks} ranks, one node")
+             + "; communication as if a network card moved it while the cores compute):",
+             f"  {'option':<15}{'iteration ms':>14}{'comm ms':>10}{'exposed ms':>12}"]
+    for option in OPTIONS:
+        m = predicted[option]
+        lines.append(f"  {option:<15}{m.iteration_s * 1e3:>14.1f}{m.comm_s * 1e3:>10.1f}"
+                     f"{m.exposed_s * 1e3:>12.1f}")
     return "\n".join(lines)
 
 

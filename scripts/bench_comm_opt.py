@@ -203,7 +203,7 @@ def write_results(args):
         for r in rows:
             w.writerow([f"{r[k]:.4g}" if isinstance(r[k], float) else r[k] for k in fields])
     _plot(rows, args.results / "comm_opt.png")
-    _markdown(rows, args.results / "comm_opt.md")
+    _markdown(rows, args.results / "comm_opt.md", args.calibration)
     print(f"wrote {args.results / 'comm_opt.csv'}, comm_opt.md, comm_opt.png")
 
 
@@ -240,7 +240,88 @@ def _busy_text(row):
     return f"CPU used by others just before / after the job: {shares} ({verdict})."
 
 
-def _markdown(rows, path):
+def alexnet_like_lines():
+    """What `caffepar plan --profile` says of each bundled net (seed 004's rule)."""
+    lines = ["## AlexNet-like nets (seed 004)", "",
+             "`caffepar plan --model models/<net>/train_val_dummy.prototxt --profile 2` "
+             "(one process, this machine):", ""]
+    for name in ("alexnet", "vgg16", "cifar10_quick"):
+        out = subprocess.run([sys.executable, "-m", "caffepar.cli", "plan", "--model",
+                              str(ROOT / f"models/{name}/train_val_dummy.prototxt"),
+                              "--profile", "2"], capture_output=True, text=True).stdout
+        said = next((l for l in out.splitlines() if l.startswith("Backward profile")), "?")
+        lines.append(f"- {name}: {said}")
+    return lines + [""]
+
+
+def _units(net_name):
+    """The net's gradient units (every layer data parallel), without drawing its weights."""
+    from caffepar.fillers import shapes_only
+    from caffepar.graph.net import TRAIN, Net
+    from caffepar.parallel.buckets import gradient_units
+    with shapes_only():
+        net = Net(dummy_solver_param(net_name, _batch(net_name)).net_param, phase=TRAIN)
+    return gradient_units(net)
+
+
+def predictions(rows, calibration):
+    """{(net, P, option): modelled ms} from each (net, P)'s plain run (per-layer compute and
+    update as measured there) and the calibration; top-k's selection as measured."""
+    from caffepar.parallel.cost import CostModel
+    from caffepar.parallel.schedule import predict_options
+    if not calibration.exists():
+        return {}, None
+    model = CostModel.load(calibration)
+    out = {}
+    for r in rows:
+        if r["option"] != "plain":
+            continue
+        units = _units(r["net"])
+        topk = next((x for x in rows if (x["net"], x["np"], x["option"]) ==
+                     (r["net"], r["np"], "top-k")), None)
+        select = topk["sparsify_ms"] / 1e3 / (sum(u.count for u in units) * 4) if topk else 0.0
+        predicted = predict_options(units, sum(r["forward_ms"]), r["backward_ms"],
+                                    r["update_ms"], model, r["np"], TOPK_RATIO,
+                                    max(1, r["np"] // 2), model, select)
+        for option, m in predicted.items():
+            out[(r["net"], r["np"], option)] = m
+    return out, model
+
+
+def cluster_predictions(rows):
+    """Markdown lines: the options predicted at P = 16 ... 1024 on 25GbE and 100Gb IB from the
+    P=2 plain run's per-layer compute (one thread per rank, this machine's CPU)."""
+    from caffepar.parallel.cost import CostModel, node_model
+    from caffepar.parallel.schedule import OPTIONS, predict_options
+    lines = ["## Predicted on a cluster", "",
+             "The planner's model (`caffepar plan --np P --network N --profile-file F`): "
+             "per-layer compute of the P=2 plain run here (one thread per rank, this CPU), "
+             "communication from the network preset, hierarchical with nodes of 8 ranks over "
+             "shared memory, top-k's selection at the rate measured here. Predicted iteration "
+             "ms (exposed comm ms):", ""]
+    for r in rows:
+        if r["option"] != "plain" or r["np"] != 2:
+            continue
+        units = _units(r["net"])
+        topk = next((x for x in rows if (x["net"], x["np"], x["option"]) ==
+                     (r["net"], 2, "top-k")), None)
+        select = topk["sparsify_ms"] / 1e3 / (sum(u.count for u in units) * 4) if topk else 0.0
+        for network in ("25gbe", "100gb-ib"):
+            model = CostModel.preset(network)
+            lines += [f"### {r['net']}, {network}", "",
+                      "| P | " + " | ".join(OPTIONS) + " |", "|---|" + "---|" * len(OPTIONS)]
+            for ranks in (16, 64, 256, 1024):
+                p = predict_options(units, sum(r["forward_ms"]), r["backward_ms"],
+                                    r["update_ms"], model, ranks, TOPK_RATIO, 8, node_model(),
+                                    select)
+                lines.append(f"| {ranks} | " + " | ".join(
+                    f"{p[o].iteration_s * 1e3:.0f} ({p[o].exposed_s * 1e3:.0f})"
+                    for o in OPTIONS) + " |")
+            lines.append("")
+    return lines
+
+
+def _markdown(rows, path, calibration=None):
     from reproduce_table3 import _cpu_name
     lines = [
         "# Gradient communication options measured",
@@ -258,21 +339,46 @@ def _markdown(rows, path):
         "selection (on the backward's thread), MB each rank handed to MPI per iteration.",
         "",
     ]
+    predicted, model = predictions(rows, calibration) if calibration else ({}, None)
+    if model is not None:
+        from caffepar.parallel.cost import describe
+        lines += [f"Predicted: the planner's model of each option (caffepar.parallel.schedule) "
+                  f"from the plain run's per-layer forward, backward and update times and "
+                  f"{describe(model)}; top-k's selection as measured. The model lets a "
+                  "reduction in flight take no CPU from backward (a network card's view).", ""]
+    errors = []
     for net, ranks in sorted({(r["net"], r["np"]) for r in rows}):
         mine = [r for r in rows if r["net"] == net and r["np"] == ranks]
         plain = next((r for r in mine if r["option"] == "plain"), None)
         lines += [f"## {net}, P={ranks}", "",
-                  "| option | iteration ms | vs plain | comm ms | exposed ms | hidden "
-                  "| selection ms | MB/iter | spread of rounds |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| option | iteration ms | predicted | error | vs plain | comm ms | "
+                  "predicted | exposed ms | predicted | hidden | selection ms | MB/iter | "
+                  "spread of rounds |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in mine:
             ratio = f"{r['iteration_ms'] / plain['iteration_ms']:.2f}x" if plain else ""
             hidden = max(0.0, 1 - r["exposed_ms"] / r["comm_ms"]) if r["comm_ms"] else 0.0
-            lines.append(f"| {r['option']} | {r['iteration_ms']:.0f} | {ratio} | "
-                         f"{r['comm_ms']:.0f} | {r['exposed_ms']:.0f} | {100 * hidden:.0f}% | "
+            m = predicted.get((net, ranks, r["option"]))
+            if m is not None:
+                err = (m.iteration_s * 1e3 - r["iteration_ms"]) / r["iteration_ms"]
+                errors.append((r["option"], abs(err)))
+                pred = (f"{m.iteration_s * 1e3:.0f} | {100 * err:+.0f}%", f"{m.comm_s * 1e3:.0f}",
+                        f"{m.exposed_s * 1e3:.0f}")
+            else:
+                pred = ("- | -", "-", "-")
+            lines.append(f"| {r['option']} | {r['iteration_ms']:.0f} | {pred[0]} | {ratio} | "
+                         f"{r['comm_ms']:.0f} | {pred[1]} | {r['exposed_ms']:.0f} | {pred[2]} | "
+                         f"{100 * hidden:.0f}% | "
                          f"{r['sparsify_ms']:.0f} | {r['bytes'] / 2 ** 20:.1f} | "
                          f"{100 * r['spread']:.0f}% |")
         lines += ["", f"Measured {mine[0]['when']}; {_busy_text(mine[0])}", ""]
+    if errors:
+        by_option = {}
+        for option, e in errors:
+            by_option.setdefault(option, []).append(e)
+        lines += ["Prediction error of the iteration time (absolute, over nets and P): " +
+                  "; ".join(f"{o} median {100 * sorted(v)[len(v) // 2]:.0f}%, largest "
+                            f"{100 * max(v):.0f}%" for o, v in by_option.items()) + ".", ""]
     lines += [
         "## Where overlap cannot hide communication here",
         "",
@@ -287,10 +393,11 @@ def _markdown(rows, path):
         "thread. On a cluster the network card moves the data while the cores compute.",
         "",
         "Where the iteration times of the options differ by less than the spread of the rounds",
-        "(the machine shared with other work), they do not differ. Predictions of the options",
-        "from the communication cost model (here and at P = 16 ... 1024 on 25GbE and 100Gb",
-        "InfiniBand) are not in this report: that model is not in this build yet.",
+        "(the machine shared with other work), they do not differ. The model above predicts",
+        "overlap as a cluster would run it (communication costs the cores nothing), so here",
+        "it is optimistic by about the comm it claims to hide.",
         "",
+    ] + alexnet_like_lines() + cluster_predictions(rows) + [
         f"Machine: {_cpu_name()}, {os.cpu_count()} cores.",
         "",
         "![compute and exposed communication per option](comm_opt.png)",
@@ -305,10 +412,11 @@ def main():
     ap.add_argument("--np", default="2,4")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--iterations", type=int, default=3)
-    ap.add_argument("--options", default="plain,overlap,top-k,hierarchical",
+    ap.add_argument("--options", default=",".join(options_of(2)),
                     type=lambda s: [x for x in s.split(",") if x],
-                    help=f"a subset of {', '.join(options_of(2))} (overlap+merge needs the "
-                         "communication cost model)")
+                    help=f"a subset of {', '.join(options_of(2))}")
+    ap.add_argument("--calibration", type=Path, default=ROOT / "results/calibration_shm.json",
+                    help="the shm calibration the predictions here use (caffepar calibrate)")
     ap.add_argument("--work", type=Path, default=ROOT / "snapshots/comm_opt")
     ap.add_argument("--results", type=Path, default=ROOT / "results")
     ap.add_argument("--fresh", action="store_true", help="measure again what was measured")

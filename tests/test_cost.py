@@ -189,6 +189,11 @@ layer { name: "fc" type: "InnerProduct" bottom: "x" top: "y"
     assert "forward + backward 12.0 ms at batch 8 per rank" in out
     data_line = next(l for l in out.splitlines() if l.startswith("  DATA "))
     assert data_line.split()[1] == "12.0"
+    options = {l.split()[0]: l.split()[1:] for l in out.split("Gradient options")[1].splitlines()
+               if l.startswith("  ") and not l.startswith("  option")}
+    assert list(options) == ["plain", "overlap", "overlap+merge", "top-k", "hierarchical"]
+    # One small layer: plain = compute 12 ms + its allreduce, as the DATA plan above.
+    assert float(options["plain"][0]) == pytest.approx(float(data_line.split()[3]), abs=0.05)
     profile.write_text("{}")
     code, _out, err = _run(["plan", "--model", str(net), "--profile-file", str(profile),
                             "--network", "10gbe"], capsys)

@@ -47,6 +47,16 @@ NETWORKS = {
     "100gb-ib": (1.1e-6, 1 / 12.3e9, "100 Gb/s InfiniBand EDR: 1.1 us, 12.3 GB/s"),
 }
 
+#: Inside a node (hierarchical reduction's reduce-scatter and allgather): MPI over shared
+#: memory, ~0.4 us and ~10 GB/s per rank pair as OSU intra-node figures show on current
+#: x86 servers (copies by the cores themselves).
+NODE = (0.4e-6, 1 / 10e9, "shared memory inside a node: 0.4 us, 10 GB/s")
+
+
+def node_model():
+    alpha, beta, source = NODE
+    return CostModel({0: {op: (alpha, beta) for op in OPS}}, source, "node")
+
 
 def hops(op, ranks):
     lg = math.ceil(math.log2(ranks)) if ranks > 1 else 0

@@ -96,3 +96,53 @@ def merge_buckets(units, backward_ms, cost_model, ranks, itemsize=4):
 
     buckets = optimal_merge(units, 0.0, backward_s, 0.0, comm_s)
     return buckets, (modelled([Bucket([u]) for u in units]), modelled(buckets))
+
+
+#: Gradient communication options the planner predicts, in the order it prints them.
+OPTIONS = ("plain", "overlap", "overlap+merge", "top-k", "hierarchical")
+
+
+def predict_options(units, forward_ms, backward_ms, update_ms, cost_model, ranks,
+                    topk_ratio=0.01, ranks_per_node=None, node_model=None,
+                    select_s_per_byte=0.0, itemsize=4):
+    """{option: Modelled} of one data-parallel iteration with each gradient option, from
+    per-layer compute (forward total, backward per layer in net order, update) and the cost
+    model. Top-k sends ceil(ratio * n) (index, value) pairs per layer with an allgather, after a
+    selection of `select_s_per_byte` per gradient byte on the backward's thread; hierarchical
+    reduce-scatters in nodes of `ranks_per_node` ranks (`node_model`), allreduces the 1/R shards
+    across nodes (`cost_model`) and allgathers in the node."""
+    import math
+
+    from caffepar.parallel.buckets import layer_buckets, one_bucket
+    backward_s = [t / 1e3 for t in backward_ms]
+    forward_s, update_s = forward_ms / 1e3, update_ms / 1e3
+
+    def allreduce_s(bucket):
+        return cost_model.collective_s("allreduce", ranks, bucket.count * itemsize)
+
+    def topk_s(bucket):
+        pairs = sum(math.ceil(topk_ratio * u.count) for u in bucket.units)
+        return cost_model.collective_s("allgather", ranks, ranks * pairs * 2 * itemsize)
+
+    def select_s(bucket):
+        return select_s_per_byte * bucket.count * itemsize
+
+    def hierarchical_s(bucket):
+        r = ranks_per_node or ranks
+        nodes = max(1, ranks // r)
+        inner = node_model or cost_model
+        n = bucket.count * itemsize
+        return (inner.collective_s("reduce_scatter", r, n) +
+                cost_model.collective_s("allreduce", nodes, n / r) +
+                inner.collective_s("allgather", r, n))
+
+    def run(buckets, comm_s, overlap, prepare_s=None):
+        return model_iteration(forward_s, backward_s, update_s, buckets, comm_s, prepare_s,
+                               overlap=overlap)
+
+    merged, _gain = merge_buckets(units, backward_ms, cost_model, ranks, itemsize)
+    return {"plain": run(one_bucket(units), allreduce_s, False),
+            "overlap": run(layer_buckets(units), allreduce_s, True),
+            "overlap+merge": run(merged, allreduce_s, True),
+            "top-k": run(one_bucket(units), topk_s, False, select_s),
+            "hierarchical": run(one_bucket(units), hierarchical_s, False)}
