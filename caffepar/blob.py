@@ -69,6 +69,22 @@ class Blob:
         return f"Blob(shape={self.shape}, dtype={self.dtype.name})"
 
 
+class BlobVec(list):
+    """A layer's parameter blobs, as pycaffe's `layer.blobs`: a list of Blobs to which a Python
+    layer adds learnable blobs in its setup with `add_blob(*shape)`."""
+
+    def __init__(self, blobs=(), dtype=np.float32):
+        super().__init__(blobs)
+        self.dtype = np.dtype(dtype)
+
+    def add_blob(self, *shape):
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = shape[0]
+        blob = Blob(shape, self.dtype)
+        blob.is_param = True
+        self.append(blob)
+
+
 def canonical_axis(axis, num_axes):
     """Caffe's CanonicalAxisIndex: negative axes count from the end."""
     if not -num_axes <= axis < max(num_axes, 1):

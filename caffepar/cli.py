@@ -25,6 +25,113 @@ def _phase(name):
     return TRAIN if name.upper() == "TRAIN" else TEST
 
 
+def _check(test):
+    """A click callback turning an options.bad_* test into BadParameter (exit 2)."""
+    def callback(ctx, param, value):
+        if value is not None:
+            message = test(value)
+            if message:
+                raise click.BadParameter(message)
+        return value
+    return callback
+
+
+def comm_options(fn):
+    """The gradient communication flags of `train` and `time` (all off unless given)."""
+    from caffepar.parallel import options as o
+    flags = [
+        click.option("--overlap", is_flag=True, default=None,
+                     help="Start each bucket's gradient reduction as soon as backward has "
+                          "completed it (non-blocking, progressed by a thread)."),
+        click.option("--bucket-mb", type=float, default=None, callback=_check(o.bad_bucket),
+                     help="Reduce gradients in buckets of this many MiB (with --overlap, "
+                          "each as soon as it is complete)."),
+        click.option("--merge", type=click.Choice(o.MERGES), default=None,
+                     help="auto: buckets planned by the optimal merge (MG-WFBP) from a short "
+                          "profile; implies --overlap."),
+        click.option("--topk", type=float, default=None, callback=_check(o.bad_ratio),
+                     help="Layer-wise top-k sparsification with residuals: the fraction of "
+                          "each layer's gradient values sent, in (0, 1]."),
+        click.option("--topk-refresh", type=int, default=None,
+                     callback=_check(o.bad_refresh),
+                     help="Recompute exact top-k thresholds every S iterations (default 10)."),
+        click.option("--momentum-correction", is_flag=True, default=None,
+                     help="With --topk and momentum SGD: each rank's residual accumulates its "
+                          "velocity (momentum and weight decay included), as DGC does."),
+        click.option("--hierarchical", is_flag=True, default=None,
+                     help="Reduce-scatter in each node, allreduce across nodes, allgather "
+                          "in the node."),
+        click.option("--ranks-per-node", type=int, default=None,
+                     callback=_check(o.bad_ranks_per_node),
+                     help="Nodes of N consecutive ranks for --hierarchical (default: the "
+                          "ranks that share memory)."),
+        click.option("--timeline", type=click.Path(dir_okay=False), default=None,
+                     help="Write a Chrome trace (chrome://tracing, Perfetto) of every layer "
+                          "and collective of every rank to this JSON file."),
+    ]
+    for flag in reversed(flags):
+        fn = flag(fn)
+    return fn
+
+
+def cost_options(fn):
+    """Where AUTO and the plan take communication costs from."""
+    flags = [
+        click.option("--calibration", type=click.Path(dir_okay=False), default=None,
+                     help="A calibration file written by `caffepar calibrate`."),
+        click.option("--network", default=None,
+                     help="A cluster network preset: 10gbe, 25gbe or 100gb-ib."),
+        click.option("--alpha", type=float, default=None,
+                     help="Latency per message hop in seconds (with --beta)."),
+        click.option("--beta", type=float, default=None,
+                     help="Seconds per byte (1 / bandwidth; with --alpha)."),
+    ]
+    for flag in reversed(flags):
+        fn = flag(fn)
+    return fn
+
+
+def _cost_model(calibration=None, network=None, alpha=None, beta=None):
+    """The CostModel the options name, or None."""
+    from caffepar.parallel.cost import CostModel
+    given = [n for n, v in (("--calibration", calibration), ("--network", network),
+                            ("--alpha/--beta", alpha if alpha is not None else beta)) if v]
+    if len(given) > 1:
+        raise click.UsageError(f"give one of --calibration, --network, --alpha/--beta "
+                               f"(got {', '.join(given)})")
+    if (alpha is None) != (beta is None):
+        raise click.UsageError("--alpha and --beta go together")
+    if calibration:
+        return CostModel.load(calibration)
+    if network:
+        return CostModel.preset(network)
+    if alpha is not None:
+        return CostModel.from_alpha_beta(alpha, beta)
+    return None
+
+
+def _comm_flags(ranks, flags):
+    """The comm flags given on the command line (name -> value), checked against each other
+    and against --np."""
+    given = {k: v for k, v in flags.items() if v is not None}
+    for name in ("topk_refresh", "momentum_correction"):
+        if name in given and "topk" not in given:
+            raise click.UsageError(f"--{name.replace('_', '-')} needs --topk")
+    if "ranks_per_node" in given and "hierarchical" not in given:
+        raise click.UsageError("--ranks-per-node needs --hierarchical")
+    if "bucket_mb" in given and "merge" in given:
+        raise click.UsageError("give --bucket-mb or --merge auto, not both")
+    if "topk" in given and "hierarchical" in given:
+        raise click.UsageError("--topk does not combine with --hierarchical (top-k exchanges "
+                               "index/value pairs with allgather)")
+    if ranks and "ranks_per_node" in given:
+        from caffepar.parallel.options import bad_ranks_per_node
+        message = bad_ranks_per_node(given["ranks_per_node"], ranks)
+        if message:
+            raise click.BadParameter(message, param_hint="'--ranks-per-node'")
+    return given
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
 @click.version_option(package_name="caffepar")
@@ -60,36 +167,48 @@ ALLOW_MISSING_OPTION = click.option(
 @click.option("--np", "ranks", default=None, type=click.IntRange(min=1),
               help="Time a parallel run on this many MPI ranks (adds comm ms and MB).")
 @click.option("--parallel", "default_mode", default="hybrid", show_default=True,
-              type=click.Choice(["data", "hybrid"]))
+              type=click.Choice(["data", "hybrid", "auto"]))
 @click.option("--model-parallel", "model_parallel", default="")
 @click.option("--mp-threshold", default=None, type=click.IntRange(min=0))
 @click.option("--threads", default=None, type=click.IntRange(min=1),
               help="BLAS threads per rank (default: cores / ranks).")
 @click.option("--mpiexec", default=None, help="The mpiexec to start ranks with.")
+@comm_options
+@cost_options
 @WATCHDOG_OPTION
 @ALLOW_MISSING_OPTION
 @click.option("--gpu", default=None, hidden=True)
 @click.pass_context
 def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, default_mode,
-             model_parallel, mp_threshold, threads, mpiexec, watchdog, allow_missing, gpu):
+             model_parallel, mp_threshold, threads, mpiexec, watchdog, allow_missing, gpu,
+             calibration, network, alpha, beta, **comm_flags):
     """Time forward and backward of every layer, as `caffe time`."""
     from caffepar.graph.net import Net
+    from caffepar.parallel.options import CommOptions
     from caffepar.timing import benchmark, format_benchmark
     _warn_gpu(gpu)
+    if comm_flags.get("momentum_correction"):
+        raise click.UsageError("--momentum-correction needs a solver's momentum: it is an "
+                               "option of caffepar train")
+    options = CommOptions().with_flags(**_comm_flags(ranks, comm_flags))
+    cost_model = _cost_model(calibration, network, alpha, beta)
     _relaunch_if_asked(ctx, ranks, threads, mpiexec)
     comm = _world_comm(ctx, watchdog)
     extra = {}
     if comm.size > 1:
         from caffepar.parallel.model_parallel import layer_factory
-        planner = _planner(default_mode, model_parallel, mp_threshold)
+        planner = _planner(default_mode, model_parallel, mp_threshold, cost_model, comm.size)
         extra = {"shard": (comm.rank, comm.size), "layer_factory": layer_factory(comm, planner)}
     net = Net(model, phase=_phase(phase), level=level, stages=stage, **extra)
     if weights:
         net.copy_from(weights, allow_missing=allow_missing)
     say = click.echo if comm.rank == 0 else (lambda *a, **k: None)
-    result = benchmark(net, iterations, comm=comm, progress=lambda i, ms: say(
+    result = benchmark(net, iterations, comm=comm, options=options, cost_model=cost_model,
+                       progress=lambda i, ms: say(
         f"Iteration: {i} forward-backward time: {ms:.2f} ms."))
     say(format_benchmark(net, result))
+    if options.timeline:
+        say(f"Wrote the timeline to {options.timeline}")
 
 
 @cli.command("train")
@@ -115,7 +234,7 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
 @click.option("--np", "ranks", default=None, type=click.IntRange(min=1),
               help="Run on this many MPI ranks (started with the bundled mpiexec).")
 @click.option("--parallel", "default_mode", default="hybrid", show_default=True,
-              type=click.Choice(["data", "hybrid"]),
+              type=click.Choice(["data", "hybrid", "auto"]),
               help="Mode of layers without parallel_mode: all data parallel, or the paper's "
                    "hybrid (big InnerProducts model parallel).")
 @click.option("--model-parallel", "model_parallel", default="",
@@ -126,27 +245,36 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
 @click.option("--threads", default=None, type=click.IntRange(min=1),
               help="BLAS threads per rank (default: cores / ranks).")
 @click.option("--mpiexec", default=None, help="The mpiexec to start ranks with.")
+@comm_options
+@cost_options
 @WATCHDOG_OPTION
 @ALLOW_MISSING_OPTION
 @click.option("--gpu", default=None, hidden=True)
 @click.pass_context
 def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_effect,
               sighup_effect, log_file, csv_file, ranks, default_mode, model_parallel,
-              mp_threshold, log_all_ranks, threads, mpiexec, watchdog, allow_missing, gpu):
+              mp_threshold, log_all_ranks, threads, mpiexec, watchdog, allow_missing, gpu,
+              calibration, network, alpha, beta, **comm_flags):
     """Train a net with a solver, as `caffe train`; with --np, over MPI ranks."""
     from caffepar.training import run_training
     _warn_gpu(gpu)
     if weights and snapshot:
         raise click.UsageError("give --weights or --snapshot, not both "
                                "(Caffe: snapshot restores the weights too)")
+    comm_flags = _comm_flags(ranks, comm_flags)
+    if ranks and ranks > 1:
+        from caffepar.proto.text import read_solver_text
+        from caffepar.training import comm_options
+        comm_options(read_solver_text(solver), solver, comm_flags, ranks)
+    cost_model = _cost_model(calibration, network, alpha, beta)
     _relaunch_if_asked(ctx, ranks, threads, mpiexec)
     comm = _world_comm(ctx, watchdog)
-    planner = _planner(default_mode, model_parallel, mp_threshold)
+    planner = _planner(default_mode, model_parallel, mp_threshold, cost_model, comm.size)
     run_training(solver, weights=weights, snapshot=snapshot, iterations=iterations,
                  level=level, stages=stage, sigint_effect=sigint_effect,
                  sighup_effect=sighup_effect, log_file=log_file, csv_file=csv_file,
                  comm=comm, planner=planner, log_all_ranks=log_all_ranks,
-                 allow_missing=allow_missing)
+                 comm_flags=comm_flags, allow_missing=allow_missing)
 
 
 @cli.command("test")
@@ -246,9 +374,9 @@ def data_mean(db, out, backend):
 @cli.command("plan")
 @click.option("--model", required=True, type=click.Path(dir_okay=False))
 @click.option("--np", "ranks", default=2, show_default=True, type=click.IntRange(min=1),
-              help="Number of ranks to plan for.")
+              help="Number of ranks to plan for (no ranks are started).")
 @click.option("--parallel", "default", default="hybrid", show_default=True,
-              type=click.Choice(["data", "hybrid"]),
+              type=click.Choice(["data", "hybrid", "auto"]),
               help="Default mode of layers without parallel_mode.")
 @click.option("--model-parallel", "model_parallel", default="",
               help="Comma-separated InnerProduct layers to run MODEL whatever the default.")
@@ -256,15 +384,188 @@ def data_mean(db, out, backend):
               help="Parameter count above which hybrid runs an InnerProduct MODEL.")
 @click.option("--phase", type=click.Choice(["TRAIN", "TEST"], case_sensitive=False),
               default="TRAIN", show_default=True)
-def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase):
-    """Print each parameterised layer's parallel mode and why."""
+@click.option("--profile", "profile_iterations", default=0, show_default=True,
+              type=click.IntRange(min=0),
+              help="Time this many forward/backward passes here: the compute of the predicted "
+                   "iteration, and whether the net is AlexNet-like (seed 004) and where it "
+                   "splits.")
+@click.option("--profile-file", type=click.Path(dir_okay=False), default=None,
+              help="Take the compute from a profile saved by --save-profile.")
+@click.option("--save-profile", type=click.Path(dir_okay=False), default=None,
+              help="Write the --profile timings to this file (for --profile-file).")
+@click.option("--batch", default=None, type=click.IntRange(min=1),
+              help="Batch per rank to plan and profile at (default: the prototxt's).")
+@click.option("--ranks-per-node", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Node size for the predicted hierarchical reduction.")
+@click.option("--topk", "topk_ratio", default=0.01, show_default=True,
+              type=click.FloatRange(min=0, min_open=True, max=1),
+              help="Ratio for the predicted top-k option.")
+@cost_options
+def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase, profile_iterations,
+             profile_file, save_profile, batch, ranks_per_node, topk_ratio, calibration, network,
+             alpha, beta):
+    """Print each parameterised layer's parallel mode and why; with a network, a calibration
+    or --alpha/--beta, the predicted communication per mode and the iteration time of DATA,
+    HYBRID and AUTO."""
+    from caffepar.fillers import shapes_only
     from caffepar.graph.net import Net
+    from caffepar.graph.passes import with_batch
     from caffepar.parallel.plan import format_plan, make_plan
-    net = Net(model, phase=_phase(phase))
-    plans = make_plan(net, _planner(default, model_parallel, mp_threshold), net.source_map)
-    batch = next((b.shape[0] for n, b in net.blobs.items() if n in net.inputs or n == "data"),
-                 None)
-    click.echo(format_plan(plans, ranks, batch))
+    from caffepar.timing import load_profile
+    if save_profile and not profile_iterations:
+        raise click.UsageError("--save-profile needs --profile N")
+    if profile_file and profile_iterations:
+        raise click.UsageError("give --profile N or --profile-file, not both")
+    cost_model = _cost_model(calibration, network, alpha, beta)
+    profile = load_profile(profile_file) if profile_file else None
+    with shapes_only():
+        net = Net(model, phase=_phase(phase))
+        net_batch = _net_batch(net)
+        if batch and batch != net_batch:
+            net = Net(with_batch(net.param, batch), phase=_phase(phase))
+    batch = batch or net_batch
+    planner = _planner(default, model_parallel, mp_threshold, cost_model, ranks)
+    plans = make_plan(net, planner, net.source_map)
+    click.echo(format_plan(plans, ranks, batch, cost_model))
+    if profile_iterations:
+        from caffepar.parallel.buckets import detect_alexnet_like
+        from caffepar.parallel.gradsync import layer_parameters
+        from caffepar.timing import benchmark, profile_dict
+        net = Net(net.param, phase=_phase(phase))
+        result = benchmark(net, profile_iterations)
+        detection = detect_alexnet_like([l.name for l in net.layers], result.backward_ms,
+                                        layer_parameters(net))
+        click.echo(f"Backward profile ({profile_iterations} iteration(s) in this process at "
+                   f"batch {batch}, {result.backward_ms.sum():.1f} ms): "
+                   f"{detection.describe()}")
+        profile = profile_dict(net, result, batch)
+        if save_profile:
+            import json
+            with open(save_profile, "w", encoding="utf-8") as f:
+                json.dump(profile, f, indent=1)
+            click.echo(f"wrote the profile to {save_profile}")
+    if cost_model is not None:
+        click.echo(format_prediction(net, model_parallel, mp_threshold, cost_model, ranks,
+                                     batch, profile))
+        if profile:
+            click.echo(format_options(net, cost_model, ranks, batch, profile, ranks_per_node,
+                                      topk_ratio))
+
+
+def _net_batch(net):
+    """The batch of the net's first blob (its input or first data layer's top)."""
+    return next((b.shape[0] for b in net.blobs.values() if b.shape), None)
+
+
+def format_prediction(net, model_parallel, mp_threshold, cost_model, ranks, batch, profile):
+    """Predicted iteration time of DATA, HYBRID and AUTO (no overlap of compute and comm)."""
+    from caffepar.parallel.cost import MODEL, describe
+    from caffepar.parallel.plan import DEFAULT_THRESHOLD, compare_plans
+    from caffepar.timing import profile_compute_ms
+    compute = profile_compute_ms(profile, batch) if profile else None
+    lines = ["", f"Communication model: {describe(cost_model)}"]
+    if profile:
+        lines.append(f"Compute: forward + backward {compute:.1f} ms at batch {batch} per rank "
+                     f"(profile at batch {profile['batch']} on {profile.get('cpus', '?')} "
+                     f"CPUs of {profile.get('machine') or 'this machine'}"
+                     f"{', scaled linearly' if profile['batch'] != batch else ''}; a MODEL "
+                     "layer computes the same FLOPs as DATA)")
+    else:
+        lines.append("Compute: not given (--profile N measures it here, --profile-file F "
+                     "takes a saved one); comm alone below")
+    lines.append(f"Predicted per iteration at P={ranks}, batch {batch} per rank (compute and "
+                 "communication one after the other):")
+    lines.append(f"  {'plan':<8}{'compute ms':>12}{'comm ms':>12}{'iteration ms':>14}  "
+                 "model parallel layers")
+    compared = compare_plans(net, cost_model, ranks, [n for n in model_parallel.split(",") if n],
+                             DEFAULT_THRESHOLD if mp_threshold is None else mp_threshold,
+                             net.source_map)
+    for name, (plans, comm) in compared.items():
+        split = ", ".join(p.name for p in plans if p.mode == MODEL) or "none"
+        total = f"{compute + comm:>14.1f}" if compute is not None else f"{'-':>14}"
+        shown = f"{compute:>12.1f}" if compute is not None else f"{'-':>12}"
+        lines.append(f"  {name:<8}{shown}{comm:>12.2f}{total}  {split}")
+    return "\n".join(lines)
+
+
+def format_options(net, cost_model, ranks, batch, profile, ranks_per_node, topk_ratio):
+    """Predicted iteration of the all-DATA plan with each gradient communication option."""
+    from caffepar.parallel.buckets import gradient_units
+    from caffepar.parallel.cost import node_model
+    from caffepar.parallel.schedule import OPTIONS, predict_options
+    scale = batch / profile["batch"]
+    names = net._layer_names
+    forward = sum(profile["forward_ms"].get(n, 0.0) for n in names) * scale
+    backward = [profile["backward_ms"].get(n, 0.0) * scale for n in names]
+    nodes = ranks_per_node if ranks % ranks_per_node == 0 and ranks_per_node < ranks else None
+    predicted = predict_options(gradient_units(net), forward, backward, 0.0, cost_model, ranks,
+                                topk_ratio, nodes, node_model())
+    lines = ["", f"Gradient options, every layer DATA (top-k ratio {topk_ratio:g}, selection "
+                 "not modelled; hierarchical: "
+             + (f"nodes of {nodes} ranks over shared memory" if nodes else
+                f"--ranks-per-node {ranks_per_node} does not split {ranks} ranks, one node")
+             + "; communication as if a network card moved it while the cores compute):",
+             f"  {'option':<15}{'iteration ms':>14}{'comm ms':>10}{'exposed ms':>12}"]
+    for option in OPTIONS:
+        m = predicted[option]
+        lines.append(f"  {option:<15}{m.iteration_s * 1e3:>14.1f}{m.comm_s * 1e3:>10.1f}"
+                     f"{m.exposed_s * 1e3:>12.1f}")
+    return "\n".join(lines)
+
+
+@cli.command("calibrate")
+@click.option("--np", "ranks", default=None, type=click.IntRange(min=2),
+              help="Ranks to measure on (started with the bundled mpiexec); required unless "
+                   "started under mpiexec.")
+@click.option("--transport", default="shm", show_default=True,
+              type=click.Choice(["shm", "tcp"]),
+              help="shm: MPI's own choice on this machine; tcp: MPI's network path over "
+                   "loopback (every rank as if on its own node).")
+@click.option("-o", "--output", "output", default="calibration.json", show_default=True,
+              type=click.Path(dir_okay=False),
+              help="Calibration file; fits at other P already in it are kept.")
+@click.option("--max-mb", default=16.0, show_default=True, type=click.FloatRange(min=0.001),
+              help="Largest message measured, MiB.")
+@click.option("--repeats", default=5, show_default=True, type=click.IntRange(min=3))
+@click.option("--mpiexec", default=None, help="The mpiexec to start ranks with.")
+@click.pass_context
+def calibrate_cmd(ctx, ranks, transport, output, max_mb, repeats, mpiexec):
+    """Measure latency and bandwidth of each collective caffepar runs (alpha-beta fit per
+    collective) and save them for plan, train and time (--calibration FILE)."""
+    from caffepar.parallel.comm import launched_by_mpi, world_comm
+    from caffepar.parallel.cost import CostModel
+    previous = None
+    if os.path.exists(output):
+        previous = CostModel.load(output)
+        if previous.transport and previous.transport != transport:
+            raise click.UsageError(f"{output} holds a {previous.transport} calibration; "
+                                   f"write the {transport} one to another file")
+    if not launched_by_mpi():
+        if not ranks:
+            raise click.UsageError("give --np P (2 or more ranks)")
+        from caffepar.parallel.launch import relaunch, strip_option
+        sys.exit(relaunch(ranks, strip_option(ctx.obj["argv"], {"--np", "--mpiexec"}), 1,
+                          mpiexec, transport=transport))
+    from caffepar.parallel.calibrate import calibrate, fit_error
+    comm = _world_comm(ctx, 0)
+    ctx.obj["comm"] = comm
+    say = click.echo if comm.rank == 0 else (lambda *a, **k: None)
+    say(f"Calibrating {comm.size} ranks over {transport}: "
+        f"{', '.join(('allreduce', 'allgather', 'reduce_scatter', 'alltoall', 'bcast'))}, "
+        f"4 B to {max_mb:g} MiB, median of {repeats}")
+    model = calibrate(comm, transport, int(max_mb * 2 ** 20), repeats, progress=lambda n, t: say(
+        f"{n:>12,} B  " + "  ".join(f"{op} {s * 1e3:.4f} ms" for op, s in t.items())))
+    if comm.rank == 0:
+        for op, (a, b) in model.fit_for(comm.size).items():
+            say(f"{op:<15} alpha {a * 1e6:8.2f} us   beta {b * 1e9:8.4f} ns/B "
+                f"({1 / b / 1e9:.2f} GB/s)")
+        say(f"fit's median relative error on its own samples: "
+            f"{100 * fit_error(model, comm.size):.0f}%")
+        if previous is not None:
+            model = previous.merged(model)
+        model.source = os.path.basename(output)
+        model.save(output)
+        say(f"wrote {output} (fits at P={', '.join(map(str, sorted(model.fits)))})")
 
 
 @cli.group("convert")
@@ -380,10 +681,11 @@ def convert_onnx(model, weights, out, verify, batch, opset, allow_missing):
         click.echo("verified: onnxruntime matches caffepar")
 
 
-def _planner(default_mode, model_parallel, mp_threshold):
+def _planner(default_mode, model_parallel, mp_threshold, cost_model=None, ranks=1):
     from caffepar.parallel.plan import DEFAULT_THRESHOLD, Planner
     return Planner(default_mode, [n for n in model_parallel.split(",") if n],
-                   DEFAULT_THRESHOLD if mp_threshold is None else mp_threshold)
+                   DEFAULT_THRESHOLD if mp_threshold is None else mp_threshold,
+                   cost_model=cost_model, ranks=ranks)
 
 
 def _relaunch_if_asked(ctx, ranks, threads, mpiexec):

@@ -1,4 +1,5 @@
 """Caffe's weight fillers, drawn from caffepar's RNG (same distributions, not Caffe's bits)."""
+import contextlib
 import math
 
 import numpy as np
@@ -94,6 +95,25 @@ FILLERS = {
     "msra": _msra,
     "bilinear": _bilinear,
 }
+
+
+_shapes_only = False
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Parameter blobs made meanwhile keep their zeros: for building a net whose shapes alone
+    are needed (`caffepar plan` on VGG-16 need not draw 138 M random weights)."""
+    global _shapes_only
+    saved, _shapes_only = _shapes_only, True
+    try:
+        yield
+    finally:
+        _shapes_only = saved
+
+
+def filling():
+    return not _shapes_only
 
 
 def fill(filler_param, shape, dtype=np.float32, rng=None):

@@ -1,4 +1,10 @@
-"""pycaffe's Python API over caffepar, so scripts run after `import caffepar as caffe`."""
+"""pycaffe's Python API over caffepar, so scripts run after `import caffepar as caffe`.
+
+The net API itself (blobs, params, forward/backward, forward_all, set_input_arrays, ...) lives on
+caffepar.graph.net.Net, so nets a solver makes have it too; this module adds pycaffe's
+constructor forms and the names pycaffe exports."""
+import sys
+
 import numpy as np
 
 from caffepar import common
@@ -17,10 +23,20 @@ set_random_seed = common.set_random_seed
 
 __all__ = ["Net", "Layer", "TRAIN", "TEST", "Solver", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver",
-           "layer_type_list", "set_mode_cpu", "set_mode_gpu", "set_device", "set_random_seed"]
+           "layer_type_list", "set_mode_cpu", "set_mode_gpu", "set_device", "set_random_seed",
+           "install_as_caffe"]
 
 
-class Net(_net.Net):
+class _NetType(type):
+    """Every caffepar net (a solver's too) is a `caffe.Net`, as in pycaffe."""
+
+    def __instancecheck__(cls, obj):
+        if cls is Net:
+            return isinstance(obj, _net.Net)
+        return super().__instancecheck__(obj)
+
+
+class Net(_net.Net, metaclass=_NetType):
     """pycaffe's constructor forms:
     Net(model, phase), Net(model, weights, phase), Net(model, phase, weights=..., level=, stages=)."""
 
@@ -41,57 +57,8 @@ class Net(_net.Net):
             raise NetError("Net needs a phase: caffe.TRAIN or caffe.TEST")
         if phase not in (TRAIN, TEST):
             raise NetError(f"phase must be caffe.TRAIN ({TRAIN}) or caffe.TEST ({TEST}), got {phase!r}")
-        super().__init__(model, phase=phase, level=level, stages=tuple(stages), weights=weights,
-                         dtype=dtype)
-
-    def set_input_arrays(self, data, labels):
-        """Feed arrays to the net's first MemoryData layer, with pycaffe's checks. The layer
-        keeps references to the arrays (no copy), as pycaffe does."""
-        layer = next((l for l in self.layers if l.type == "MemoryData"), None)
-        if layer is None:
-            raise NetError("set_input_arrays may only be called if the net has a MemoryData layer")
-        labels = np.asarray(labels) if not isinstance(labels, np.ndarray) else labels
-        if labels.ndim == 1:
-            labels = np.ascontiguousarray(labels[:, None, None, None])
-        for name, arr, dims in (("data array", data, (layer.channels, layer.height, layer.width)),
-                                ("labels array", labels, (1, 1, 1))):
-            if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous:
-                raise NetError(f"{name} must be C contiguous")
-            if arr.ndim != 4:
-                raise NetError(f"{name} must be 4-d")
-            if arr.dtype != np.float32:
-                raise NetError(f"{name} must be float32")
-            for axis, what in zip(range(1, 4), ("number of channels", "height", "width")):
-                if arr.shape[axis] != dims[axis - 1]:
-                    raise NetError(f"{name} has wrong {what}")
-        if data.shape[0] != labels.shape[0]:
-            raise NetError("data and labels must have the same first dimension")
-        if data.shape[0] % layer.batch_size:
-            raise NetError("first dimensions of input arrays must be a multiple of batch size")
-        layer.reset(data, labels, data.shape[0])
-
-    def forward_all(self, blobs=None, **kwargs):
-        """Forward inputs of any length in the net's batch size; outputs concatenated."""
-        outs = {name: [] for name in set(self.outputs) | set(blobs or ())}
-        if not kwargs:
-            for name, value in self.forward(blobs=blobs).items():
-                outs[name].append(value.copy())
-        else:
-            total = len(next(iter(kwargs.values())))
-            batch = self.blobs[next(iter(kwargs))].shape[0]
-            for start in range(0, total, batch):
-                chunk = {}
-                for name, value in kwargs.items():
-                    part = np.asarray(value[start:start + batch])
-                    if len(part) < batch:
-                        pad = np.zeros((batch - len(part),) + part.shape[1:], part.dtype)
-                        part = np.concatenate([part, pad])
-                    chunk[name] = part
-                n = min(batch, total - start)
-                for name, value in self.forward(blobs=blobs, **chunk).items():
-                    outs[name].append(value[:n].copy())
-        return {name: np.concatenate(parts) if parts and parts[0].ndim else np.asarray(parts)
-                for name, parts in outs.items()}
+        super().__init__(model, phase=phase, level=level, stages=tuple(stages or ()),
+                         weights=weights, dtype=dtype)
 
 
 def layer_type_list():
@@ -99,3 +66,39 @@ def layer_type_list():
     return sorted(LAYERS)
 
 
+# pycaffe's modules, by the name scripts import them under.
+_CAFFE_MODULES = {
+    "caffe": "caffepar",
+    "caffe.proto": "caffepar.proto",
+    "caffe.proto.caffe_pb2": "caffepar.proto.caffe_pb2",
+    "caffe.pycaffe": "caffepar.pycaffe",
+    "caffe.io": "caffepar.io",
+    "caffe.net_spec": "caffepar.net_spec",
+    "caffe.draw": "caffepar.draw",
+    "caffe.coord_map": "caffepar.coord_map",
+    "caffe.classifier": "caffepar.classifier",
+    "caffe.detector": "caffepar.detector",
+}
+
+
+def real_caffe_installed():
+    """True when `import caffe` would find a module of its own (a namespace folder named
+    caffe, such as a Caffe checkout's root, does not count)."""
+    import importlib.util
+    current = sys.modules.get("caffe")
+    if current is not None:
+        return getattr(current, "__name__", None) != "caffepar"
+    spec = importlib.util.find_spec("caffe")
+    return spec is not None and spec.origin not in (None, "namespace")
+
+
+def install_as_caffe():
+    """Make `import caffe` (and caffe.proto.caffe_pb2, caffe.draw, ...) give caffepar's
+    modules in this process, for code written against pycaffe. Refused when a real Caffe is
+    already imported."""
+    import importlib
+    current = sys.modules.get("caffe")
+    if current is not None and getattr(current, "__name__", None) != "caffepar":
+        raise ImportError(f"a module named caffe is already imported ({current!r})")
+    for alias, name in _CAFFE_MODULES.items():
+        sys.modules[alias] = importlib.import_module(name)

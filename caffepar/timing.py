@@ -16,45 +16,69 @@ class Benchmark:
     comm_ms: dict = field(default_factory=dict)
     comm_mb: dict = field(default_factory=dict)
     ranks: int = 1
+    reduction: dict = field(default_factory=dict)
+    options: str = ""
 
 
-def _reduce_gradients(net, comm):
-    """What a data-parallel iteration adds after backward: one allreduce of the replicated
-    gradients (the model-parallel shards need none)."""
-    comm.allreduce_sum(net.param_diff[:net.replicated_count], tag="(gradient allreduce)")
-    net.param_diff *= net.param_diff.dtype.type(1.0 / comm.size)
-
-
-def benchmark(net, iterations, progress=None, comm=None):
+def benchmark(net, iterations, progress=None, comm=None, options=None, cost_model=None):
     """Run `iterations` forward+backward passes layer by layer, timing each layer. Backward runs
     for every layer as in Caffe's tool, bottoms getting diffs only where the net needs them.
-    Communication inside a layer is counted in its time and also reported on its own."""
+    Communication inside a layer is counted in its time and also reported on its own. In a
+    parallel run the replicated gradients are then reduced as a training iteration reduces them
+    (`options`: CommOptions, whose timeline, if any, is written at the end)."""
+    from caffepar.parallel.gradsync import GradientSync
+    from caffepar.parallel.options import CommOptions
+    from caffepar.parallel.timeline import ITERATIONS, Timeline
+    options = options or CommOptions()
+    timeline = None
+    if options.timeline:
+        timeline = Timeline(comm) if comm is not None else None
+        if timeline is not None:
+            comm.timeline = timeline
+            timeline.watch(net)
+    sync = None
+    if comm is not None and comm.size > 1:
+        sync = GradientSync(net, comm, options, timeline=timeline, cost_model=cost_model)
+        if not sync.plain:
+            net.observers.append(sync)
     n = len(net.layers)
     fwd = np.zeros(n)
     bwd = np.zeros(n)
     laps = []
     clock = time.perf_counter
-    net.forward_from_to()
+    # One untimed pass without communication: first-touch allocations, and the first run of a
+    # convolution shape on this machine measures its engine (caffepar.nn.conv.calibrate).
+    observers, net.observers = net.observers, []
+    try:
+        for i in range(n):
+            net.forward_layer(i)
+        for i in range(n - 1, -1, -1):
+            net.backward_layer(i)
+    finally:
+        net.observers = observers
     if comm is not None:
         comm.barrier()
         comm.stats.reset()
     start_all = clock()
     for it in range(iterations):
         start = clock()
-        for i, layer in enumerate(net.layers):
-            bottoms, tops = net._blobs_of(net.bottom_ids[i]), net._blobs_of(net.top_ids[i])
+        if sync is not None:
+            sync.begin_pass(it, armed=True)
+        for i in range(n):
             t0 = clock()
-            layer.reshape(bottoms, tops)
-            layer.forward(bottoms, tops)
+            net.forward_layer(i)
             fwd[i] += clock() - t0
         for i in range(n - 1, -1, -1):
             t0 = clock()
-            net.layers[i].backward(net._blobs_of(net.top_ids[i]), net.bottom_need_backward[i],
-                                   net._blobs_of(net.bottom_ids[i]))
+            net.backward_layer(i)
             bwd[i] += clock() - t0
-        if comm is not None and comm.size > 1:
-            _reduce_gradients(net, comm)
-        laps.append((clock() - start) * 1e3)
+        if sync is not None:
+            sync.finish()
+            net.param_diff *= net.param_diff.dtype.type(1.0 / comm.size)
+        end = clock()
+        laps.append((end - start) * 1e3)
+        if timeline is not None:
+            timeline.span(f"iteration {it}", "iteration", ITERATIONS, start, end)
         if progress:
             progress(it + 1, laps[-1])
     total = (clock() - start_all) * 1e3
@@ -64,30 +88,88 @@ def benchmark(net, iterations, progress=None, comm=None):
         for (tag, _op), (seconds, nbytes, _calls) in comm.stats.take().items():
             result.comm_ms[tag] = result.comm_ms.get(tag, 0.0) + seconds * 1e3 / iterations
             result.comm_mb[tag] = result.comm_mb.get(tag, 0.0) + nbytes / 2 ** 20 / iterations
+    if sync is not None:
+        result.reduction = sync.take_totals()
+        result.options = options.describe()
+    if timeline is not None:
+        timeline.write(options.timeline)
     return result
 
 
 def format_benchmark(net, result):
     width = max([10] + [len(name) for name in net._layer_names])
     lines = ["Average time per layer:"]
-    for name, f, b in zip(net._layer_names, result.forward_ms, result.backward_ms):
+    for i, (name, f, b) in enumerate(zip(net._layer_names, result.forward_ms,
+                                         result.backward_ms)):
         comm = ""
         if name in result.comm_ms:
             comm = f"\tcomm: {result.comm_ms[name]:.4f} ms, {result.comm_mb[name]:.3f} MB"
-        lines.append(f"{name:>{width}}\tforward: {f:.4f} ms.")
+        engine = ""
+        if hasattr(net.layers[i], "engine"):
+            shape = net.blob_list[net.bottom_ids[i][0]].shape
+            engine = f"\tengine: {net.layers[i].engine(shape)}"
+        lines.append(f"{name:>{width}}\tforward: {f:.4f} ms.{engine}")
         lines.append(f"{name:>{width}}\tbackward: {b:.4f} ms.{comm}")
     fsum, bsum = result.forward_ms.sum(), result.backward_ms.sum()
     lines += [f"Average Forward pass: {fsum:.4f} ms.",
               f"Average Backward pass: {bsum:.4f} ms."]
     if result.ranks > 1:
-        reduce_ms = result.comm_ms.get("(gradient allreduce)", 0.0)
-        reduce_mb = result.comm_mb.get("(gradient allreduce)", 0.0)
+        from caffepar.parallel.gradsync import TAG
+        reduce_ms = result.comm_ms.get(TAG, 0.0)
+        reduce_mb = result.comm_mb.get(TAG, 0.0)
         comm_ms = sum(result.comm_ms.values())
         comm_mb = sum(result.comm_mb.values())
-        lines += [f"Average gradient allreduce: {reduce_ms:.4f} ms, {reduce_mb:.3f} MB.",
-                  f"Average communication ({result.ranks} ranks): {comm_ms:.4f} ms, "
-                  f"{comm_mb:.3f} MB per iteration."]
+        lines.append(f"Average gradient reduction: {reduce_ms:.4f} ms waited, {reduce_mb:.3f} "
+                     "MB.")
+        if result.reduction:
+            r = result.reduction
+            selection = f", top-k selection {r['sparsify_s'] * 1e3:.4f} ms" \
+                if r["sparsify_s"] else ""
+            lines.append(f"    ({result.options}: {r['comm_s'] * 1e3:.4f} ms in flight, "
+                         f"{r['exposed_s'] * 1e3:.4f} ms waited for{selection})")
+        lines.append(f"Average communication ({result.ranks} ranks): {comm_ms:.4f} ms, "
+                     f"{comm_mb:.3f} MB per iteration.")
     lines += [f"Average Forward-Backward: {np.mean(result.iteration_ms):.4f} ms.",
               f"Total Time: {result.total_ms:.4f} ms.",
               "*** Benchmark ends ***"]
     return "\n".join(lines)
+
+
+PROFILE_FORMAT = "caffepar-profile/1"
+
+
+def profile_dict(net, result, batch):
+    """A compute profile for `caffepar plan`: each layer's forward and backward ms at `batch`
+    images per rank on this machine."""
+    import os
+    import platform
+    return {"format": PROFILE_FORMAT, "net": net.name, "batch": int(batch),
+            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "iterations": result.iterations,
+            "forward_ms": dict(zip(net._layer_names, map(float, result.forward_ms))),
+            "backward_ms": dict(zip(net._layer_names, map(float, result.backward_ms)))}
+
+
+def load_profile(path):
+    import json
+
+    from caffepar.errors import CaffeparError
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise CaffeparError(f"cannot read profile {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise CaffeparError(f"{path}: not a profile (bad JSON: {e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT or \
+            not isinstance(doc.get("forward_ms"), dict) or not doc.get("batch"):
+        raise CaffeparError(f"{path}: not a caffepar profile (expected format "
+                            f'"{PROFILE_FORMAT}" with batch, forward_ms, backward_ms)')
+    return doc
+
+
+def profile_compute_ms(profile, batch):
+    """Forward + backward ms of the whole net at `batch` per rank, scaled linearly from the
+    profile's batch."""
+    total = sum(profile["forward_ms"].values()) + sum(profile["backward_ms"].values())
+    return total * batch / profile["batch"]

@@ -91,16 +91,37 @@ def _hook_bar_into_logging(bar):
             handler.emit = emit_under_bar
 
 
+def comm_options(param, solver_path, comm_flags, ranks):
+    """The run's CommOptions: the solver's comm_param with the command line's flags on top."""
+    from caffepar.errors import SolverError
+    from caffepar.parallel.options import (check_against_ranks, check_solver,
+                                           options_from_solver)
+    options = options_from_solver(param, solver_path).with_flags(**(comm_flags or {}))
+    conflict = options.conflicts()
+    if conflict:
+        raise SolverError(f"comm_param and the command line: {conflict[1]}", path=solver_path)
+    check_against_ranks(options, ranks, solver_path)
+    check_solver(options, param, solver_path)
+    if ranks == 1 and not options.plain:
+        LOGGER.info(f"One rank: no gradients to communicate ({options.describe()} unused)")
+    return options
+
+
 def run_training(solver_path, weights=None, snapshot=None, iterations=None, level=0, stages=(),
                  sigint_effect="stop", sighup_effect="snapshot", log_file=None, csv_file=None,
-                 comm=None, planner=None, log_all_ranks=False, allow_missing=False):
-    """`caffepar train`: one process, or one rank of a parallel job when comm has P > 1."""
+                 comm=None, planner=None, log_all_ranks=False, comm_flags=None,
+                 allow_missing=False):
+    """`caffepar train`: one process, or one rank of a parallel job when comm has P > 1.
+    `comm_flags`: gradient communication options given on the command line."""
     from caffepar.io.weights import copy_weights_files
+    from caffepar.parallel.comm import LocalComm
+    from caffepar.parallel.timeline import Timeline
     from caffepar.proto.text import read_solver_text
     from caffepar.solvers import get_solver
     from caffepar.solvers.snapshot import PrefixLock, stale_temp_files
-    rank = comm.rank if comm is not None else 0
-    parallel = comm is not None and comm.size > 1
+    comm = comm if comm is not None else LocalComm()
+    rank = comm.rank
+    parallel = comm.size > 1
     setup_logging(log_file if rank == 0 else None, enabled=rank == 0 or log_all_ranks,
                   prefix=f"[rank {rank}] " if log_all_ranks and parallel else "")
     param = read_solver_text(solver_path)
@@ -108,11 +129,17 @@ def run_training(solver_path, weights=None, snapshot=None, iterations=None, leve
         param.max_iter = iterations
     param.train_state.level = level
     param.train_state.stage.extend(stages)
+    options = comm_options(param, solver_path, comm_flags, comm.size)
+    timeline = Timeline(comm) if options.timeline else None
     if parallel:
         from caffepar.parallel.data_parallel import make_parallel_solver
-        solver = make_parallel_solver(param, comm, source=solver_path, planner=planner)
+        solver = make_parallel_solver(param, comm, source=solver_path, planner=planner,
+                                      options=options, timeline=timeline)
     else:
         solver = get_solver(param, source=solver_path)
+    if timeline is not None:
+        comm.timeline = timeline
+        timeline.watch_solver(solver)
     lock = PrefixLock(solver.snapshot_prefix)
     if rank == 0 and lock.acquire():
         _remove_stale_temp_files(stale_temp_files(solver.snapshot_prefix))
@@ -123,9 +150,12 @@ def run_training(solver_path, weights=None, snapshot=None, iterations=None, leve
                 LOGGER.info(f"Finetuning from {path}")
             for net in [solver.net] + list(solver.test_nets):
                 copy_weights_files(net, paths, allow_missing=allow_missing)
-        return _train(solver, param, snapshot, sigint_effect, sighup_effect, csv_file, rank)
+        solver = _train(solver, param, snapshot, sigint_effect, sighup_effect, csv_file, rank)
     finally:
         lock.release()
+    if timeline is not None and timeline.write(options.timeline):
+        LOGGER.info(f"Wrote the timeline to {options.timeline}")
+    return solver
 
 
 def _remove_stale_temp_files(paths):
@@ -153,6 +183,8 @@ def _train(solver, param, snapshot, sigint_effect, sighup_effect, csv_file, rank
     def on_iteration(info):
         row = {"iter": info["iter"], "loss": info.get("loss"), "lr": info.get("lr"),
                "seconds": info.get("seconds"), "data_wait_s": info.get("data_wait")}
+        if "grad_bytes" in info:
+            row["grad_bytes"] = info["grad_bytes"]     # replicated gradients, sent by this rank
         row.update({f"test/{k}": v for k, v in info.get("test", {}).items()})
         if csv is not None:
             if snapshot and csv.kept is None:

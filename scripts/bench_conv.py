@@ -23,7 +23,7 @@ import caffepar  # noqa: E402,F401  (sets BLAS threading up before NumPy loads i
 import numpy as np  # noqa: E402
 
 from bench_layers import fastest, sgemm  # noqa: E402
-from caffepar.nn import conv_math as cm  # noqa: E402
+from caffepar.nn import conv as cm  # noqa: E402
 
 # name, batch, C, O, spatial, kernel, pad
 VGG16 = [

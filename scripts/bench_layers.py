@@ -89,14 +89,11 @@ def layer_flops(net, i):
 
 
 def engine(net, i):
-    """The conv_math engine a Convolution runs (GEMM for InnerProduct)."""
+    """The engine a Convolution runs (GEMM for InnerProduct)."""
     layer = net.layers[i]
     if layer.type != "Convolution":
         return "gemm"
-    from caffepar.nn.conv_math import conv_engine
-    shape = net.blob_list[net.bottom_ids[i][0]].shape
-    return conv_engine(shape[layer.axis + 1:], layer.blobs[0].shape, layer.stride, layer.pad,
-                       layer.dilation, layer.group)
+    return layer.engine(net.blob_list[net.bottom_ids[i][0]].shape)
 
 
 def bench_net(name, model, batch, rounds):

@@ -1,17 +1,34 @@
 #!/usr/bin/env python
-"""One training iteration (forward + backward + SGD update) of the bundled nets in caffepar and,
-when PyTorch is installed, the same architecture in PyTorch on the CPU with the same thread count.
+"""caffepar's speed on the bundled nets against PyTorch and BVLC Caffe, measured side by side in
+alternating rounds in one run, written to results/cpu_speed.{md,csv,png}.
 
-    python scripts/bench_train.py [--nets cifar10_quick,alexnet,vgg16] [--repeat 3] [--rounds 3]
+    python scripts/bench_train.py [--nets cifar10_quick,alexnet,vgg16] [--rounds 3]
+                                  [--caffe PATH/TO/caffe] [--out results/cpu_speed]
 
-Prints ms per iteration side by side, caffepar / PyTorch, the fraction of this machine's SGEMM
-rate the whole caffepar iteration achieves (GEMM FLOPs of its Convolution and InnerProduct
-layers over the iteration time), and the ms of the iteration's SGD update step. PyTorch: `pip install torch==2.13.0` (a CPU build).
+Per net, each round runs in turn:
+- one training iteration (forward + backward + SGD update) of caffepar and of the same
+  architecture in PyTorch on the CPU with the same thread count (`pip install torch==2.13.0`);
+- forward + backward as `caffepar time` runs it and, with --caffe, `caffe time` on the same
+  prototxt (models/<net>/train_val_dummy.prototxt, Caffe in a subprocess, with the same
+  OPENBLAS_* settings);
+and the fastest of the rounds counts, so a noisy spell on a shared machine falls on every side.
+Convolution engines are measured afresh at the start (unless --keep-engines).
+Also: max pooling 3x3/2 on cifar10_quick's pool1 (100x32x32x32) forward + backward, the SGD
+update alone, and the engine each convolution runs on. The machine's load average is recorded
+with the figures: figures taken under load are marked as such.
 """
 import argparse
+import atexit
+import csv
+import gc
 import os
+import platform
+import re
+import shutil
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,6 +39,11 @@ import caffepar  # noqa: E402,F401  (sets BLAS threading up before NumPy loads i
 import numpy as np  # noqa: E402
 
 NETS = {"cifar10_quick": 100, "alexnet": 16, "vgg16": 4}
+TIME_ITERATIONS = {"cifar10_quick": 10, "alexnet": 3, "vgg16": 2}
+
+
+def model_path(name):
+    return ROOT / f"models/{name}/train_val_dummy.prototxt"
 
 
 def dummy_solver_param(name, batch):
@@ -29,7 +51,7 @@ def dummy_solver_param(name, batch):
     drawing random data)."""
     from caffepar.proto import caffe_pb2
     from caffepar.proto.text import read_net_text
-    net, _ = read_net_text(str(ROOT / f"models/{name}/train_val_dummy.prototxt"))
+    net, _ = read_net_text(str(model_path(name)))
     for layer in net.layer:
         if layer.type == "DummyData":
             layer.dummy_data_param.data_filler[0].type = "constant"
@@ -39,7 +61,8 @@ def dummy_solver_param(name, batch):
     param = caffe_pb2.SolverParameter(base_lr=0.001, momentum=0.9, weight_decay=0.0005,
                                       lr_policy="fixed", max_iter=10 ** 6, display=0,
                                       snapshot_after_train=False, random_seed=1,
-                                      snapshot_prefix=os.path.join(tempfile.gettempdir(), "bench_train"))
+                                      snapshot_prefix=os.path.join(tempfile.gettempdir(),
+                                                                   "bench_train"))
     param.net_param.CopyFrom(net)
     return param
 
@@ -52,11 +75,37 @@ def iteration_flops(net):
 
 def caffepar_step(name, batch):
     """One SGD iteration of the bundled net as a callable, its update alone (the solver's
-    ApplyUpdate) as another, and its GEMM FLOPs."""
+    ApplyUpdate) as another, the solver, its GEMM FLOPs, and the seconds of the first
+    iteration (which measures the convolution engines when they are not cached)."""
     from caffepar.solvers import get_solver
     solver = get_solver(dummy_solver_param(name, batch))
+    start = time.perf_counter()
     solver.step(1)
-    return (lambda: solver.step(1)), solver.apply_update, iteration_flops(solver.net)
+    first = time.perf_counter() - start
+    return ((lambda: solver.step(1)), solver.apply_update, solver, iteration_flops(solver.net),
+            first)
+
+
+def time_command(command, name, iterations):
+    """`caffepar time` or `caffe time` (command: the program and its spelling of the flags) on
+    the net's prototxt in a subprocess, as a callable returning its average forward-backward
+    ms: the same prototxt, and each side in a process of its own."""
+    def run():
+        out = subprocess.run(command + ["time", "-model", str(model_path(name)),
+                                        "-iterations", str(iterations)],
+                             capture_output=True, text=True, cwd=ROOT)
+        found = re.search(r"Average Forward-Backward: ([\d.]+) ms", out.stderr + out.stdout)
+        if not found:
+            raise SystemExit(f"{command[-1]} time failed on {name}: "
+                             f"{(out.stderr or out.stdout)[-500:]}")
+        return float(found.group(1))
+    return run
+
+
+def conv_engines(solver):
+    net = solver.net
+    return " ".join(f"{net._layer_names[i]}:{layer.engine(net.blob_list[net.bottom_ids[i][0]].shape)}"
+                    for i, layer in enumerate(net.layers) if layer.type == "Convolution")
 
 
 def torch_model(name):
@@ -112,35 +161,172 @@ def torch_step(name, batch, threads):
     return step
 
 
+def pool1_ms(rounds):
+    """cifar10_quick pool1 (MAX 3x3/2 on 100x32x32x32) forward + backward, fastest of the
+    rounds."""
+    from bench_layers import best_time
+    from caffepar.nn import pooling
+    x = np.random.default_rng(0).standard_normal((100, 32, 32, 32), dtype=np.float32)
+    g = pooling.PoolGeometry(3, 3, 0, 0, 2, 2)
+    g.reshape(32, 32)
+    y = np.empty((100, 32, g.oh, g.ow), np.float32)
+    dy, dx = np.ones_like(y), np.empty_like(x)
+
+    def step():
+        pooling.max_pool_backward(g, pooling.max_pool_forward(g, x, y), dy, dx)
+
+    step()
+    return min(best_time(step, 10) for _ in range(rounds)) * 1e3
+
+
+def cpu_name():
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+        name = fields.get("Model name", "").strip()
+        flags = fields.get("Flags", "")
+        isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+        return f"{name} ({platform.machine()}, {isa}, {os.cpu_count()} logical CPUs)"
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nets", default=",".join(NETS))
     ap.add_argument("--repeat", type=int, default=3, help="runs per round")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per net")
+    ap.add_argument("--caffe", default=None, help="a BVLC Caffe `caffe` binary to compare with")
+    ap.add_argument("--out", default=str(ROOT / "results/cpu_speed"),
+                    help="write OUT.md, OUT.csv and OUT.png (empty: print only)")
+    ap.add_argument("--keep-engines", action="store_true",
+                    help="use the convolution engines measured earlier on this machine (by "
+                         "default they are measured afresh, in a temporary cache)")
     args = ap.parse_args()
+    if not args.keep_engines:
+        os.environ["CAFFEPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="caffepar-bench-")
+        atexit.register(shutil.rmtree, os.environ["CAFFEPAR_CACHE_DIR"], True)
     from bench_layers import fastest, sgemm_rate
+    from caffepar.nn import native
     threads = int(os.environ.get("OPENBLAS_NUM_THREADS", os.cpu_count() or 1))
+    load_start = os.getloadavg()[0]
+    started = time.strftime("%Y-%m-%d %H:%M")
     rate = sgemm_rate()
     try:
         import torch  # noqa: F401
         have_torch = True
     except ImportError:
         have_torch = False
-    print(f"SGEMM {rate:.1f} GFLOP/s; {threads} thread(s); PyTorch "
-          f"{'installed' if have_torch else 'not installed (pip install torch==2.13.0)'}")
-    print(f"\n{'net':<14}{'batch':>6}{'caffepar ms':>13}{'PyTorch ms':>12}{'ratio':>8}"
-          f"{'% SGEMM':>9}{'update ms':>11}")
+    kernels = "compiled" if native.kernels(np.float32) is not None else "NumPy"
+    print(f"{cpu_name()}; {threads} thread(s); SGEMM {rate:.1f} GFLOP/s; kernels: {kernels}; "
+          f"PyTorch {'installed' if have_torch else 'not installed'}; "
+          f"Caffe {args.caffe or 'not given'}; load average {load_start:.2f}")
+    head = (f"{'net':<14}{'batch':>6}{'step ms':>9}{'PyTorch':>9}{'ratio':>7}"
+            f"{'f+b ms':>9}{'Caffe':>9}{'ratio':>7}{'% SGEMM':>9}{'update':>8}")
+    print("\n" + head)
+    rows = []
     for name in args.nets.split(","):
         batch = NETS[name]
-        ours_step, update, flops = caffepar_step(name, batch)
+        ours_step, update, solver, flops, first = caffepar_step(name, batch)
         steps = [ours_step] + ([torch_step(name, batch, threads)] if have_torch else [])
-        best = fastest(steps, args.repeat, args.rounds) + [np.nan]
+        timers = [time_command([sys.executable, "-m", "caffepar.cli"], name,
+                               TIME_ITERATIONS[name])]
+        if args.caffe:
+            timers.append(time_command([args.caffe], name, TIME_ITERATIONS[name]))
+        step_s = [np.inf] * len(steps)
+        fb_ms = [np.inf] * len(timers)
+        for _ in range(args.rounds):        # alternating: every side in every round
+            step_s = [min(a, b) for a, b in zip(step_s, fastest(steps, args.repeat, 1))]
+            fb_ms = [min(a, t()) for a, t in zip(fb_ms, timers)]
         update_ms = fastest([update], args.repeat, args.rounds)[0] * 1e3
-        seconds = best[0]
-        ours, theirs = best[0] * 1e3, best[1] * 1e3
-        ratio = ours / theirs
-        print(f"{name:<14}{batch:>6}{ours:>13.0f}{theirs:>12.0f}{ratio:>8.2f}"
-              f"{100 * flops / seconds / 1e9 / rate:>8.0f}%{update_ms:>11.1f}", flush=True)
+        row = {"net": name, "batch": batch, "caffepar_step_ms": step_s[0] * 1e3,
+               "pytorch_step_ms": step_s[1] * 1e3 if have_torch else np.nan,
+               "caffepar_fb_ms": fb_ms[0], "caffe_fb_ms": fb_ms[1] if args.caffe else np.nan,
+               "sgemm_pct": 100 * flops / step_s[0] / 1e9 / rate, "update_ms": update_ms,
+               "first_s": first, "engines": conv_engines(solver)}
+        row["vs_pytorch"] = row["caffepar_step_ms"] / row["pytorch_step_ms"]
+        row["vs_caffe"] = row["caffepar_fb_ms"] / row["caffe_fb_ms"]
+        rows.append(row)
+        print(f"{name:<14}{batch:>6}{row['caffepar_step_ms']:>9.1f}{row['pytorch_step_ms']:>9.1f}"
+              f"{row['vs_pytorch']:>7.2f}{row['caffepar_fb_ms']:>9.1f}{row['caffe_fb_ms']:>9.1f}"
+              f"{row['vs_caffe']:>7.2f}{row['sgemm_pct']:>8.0f}%{update_ms:>8.1f}", flush=True)
+        print(f"{'':14}engines: {row['engines']} (first iteration {first:.1f} s)", flush=True)
+        del ours_step, update, solver, steps        # one net's memory at a time
+        gc.collect()
+    pool = pool1_ms(args.rounds)
+    load_end = os.getloadavg()[0]
+    print(f"\ncifar10_quick pool1 (MAX 3x3/2, 100x32x32x32) forward + backward: {pool:.2f} ms")
+    print(f"load average (1 min): {load_start:.2f} at the start, {load_end:.2f} at the end")
+    if args.out:
+        write_results(Path(args.out), rows, pool, dict(
+            cpu=cpu_name(), threads=threads, sgemm=rate, kernels=kernels, started=started,
+            load=(load_start, load_end), caffe=args.caffe, rounds=args.rounds,
+            coretype=os.environ.get("OPENBLAS_CORETYPE", "(OpenBLAS's choice)")))
+
+
+def write_results(out, rows, pool, info):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fields = ["net", "batch", "caffepar_step_ms", "pytorch_step_ms", "vs_pytorch",
+              "caffepar_fb_ms", "caffe_fb_ms", "vs_caffe", "sgemm_pct", "update_ms", "first_s",
+              "engines"]
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in row.items()})
+    loaded = max(info["load"]) > 0.5
+    lines = [
+        "# CPU speed: caffepar vs PyTorch 2.13 and BVLC Caffe",
+        "",
+        f"Written by `python scripts/bench_train.py` ({info['started']}, {info['rounds']} "
+        f"alternating rounds, fastest counts). CPU: {info['cpu']}; {info['threads']} "
+        f"thread(s); OPENBLAS_CORETYPE {info['coretype']}; NumPy SGEMM {info['sgemm']:.0f} "
+        f"GFLOP/s; caffepar kernels: {info['kernels']}.",
+        "",
+        f"Load average (1 min) {info['load'][0]:.2f} at the start and {info['load'][1]:.2f} at "
+        f"the end: " + ("**measured on a loaded machine** (other jobs shared the cores; "
+                        "ratios from alternating rounds, absolute times noisy)."
+                        if loaded else "a quiet machine."),
+        "",
+        "Training step = forward + backward + SGD update (caffepar solver step vs PyTorch). "
+        "Forward+backward = `caffepar time` vs `caffe time` on models/<net>/"
+        "train_val_dummy.prototxt. Ratio < 1: caffepar faster.",
+        "",
+        "| net | batch | caffepar step ms | PyTorch step ms | ratio | caffepar f+b ms | "
+        "Caffe f+b ms | ratio | update ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['net']} | {r['batch']} | {r['caffepar_step_ms']:.1f} | "
+                     f"{r['pytorch_step_ms']:.1f} | **{r['vs_pytorch']:.2f}** | "
+                     f"{r['caffepar_fb_ms']:.1f} | {r['caffe_fb_ms']:.1f} | "
+                     f"**{r['vs_caffe']:.2f}** | {r['update_ms']:.1f} |")
+    lines += ["", f"cifar10_quick pool1 (MAX 3x3/2, 100x32x32x32) forward + backward: "
+                  f"**{pool:.2f} ms**.", "",
+              "Convolution engines (measured on this machine at the first iteration, which "
+              "took the time given):", ""]
+    lines += [f"- {r['net']}: {r['engines']} (first iteration {r['first_s']:.1f} s)"
+              for r in rows]
+    if info["caffe"] is None:
+        lines += ["", "Caffe columns are empty: no `--caffe` binary was given."]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["vs_pytorch"] for r in rows], 0.4, label="vs PyTorch (training step)")
+    ax.bar(x + 0.2, [r["vs_caffe"] for r in rows], 0.4, label="vs Caffe (forward+backward)")
+    ax.axhline(0.9, color="C0", ls="--", lw=0.8)
+    ax.axhline(0.6, color="C1", ls="--", lw=0.8)
+    ax.set_xticks(x, [f"{r['net']}\nbatch {r['batch']}" for r in rows])
+    ax.set_ylabel("caffepar time / other's time")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
 
 
 if __name__ == "__main__":

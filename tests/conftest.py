@@ -4,6 +4,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")
+# Tests take the engines of the fixed rules (deterministic, no timing); tests of the measured
+# choice set it themselves.
+os.environ.setdefault("CAFFEPAR_CONV_ENGINES", "rules")
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 CAFFE_REF = SHARED / "caffe_ref"
@@ -15,3 +18,30 @@ def need_shared(path=SHARED):
     if not Path(path).exists():
         pytest.skip(f"reference data not available ({path.name} missing beside the repository)")
     return Path(path)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--kernels", choices=("both", "native", "numpy"), default="both",
+                     help="which kernel path the kernel_paths tests run on (default: both)")
+
+
+def pytest_generate_tests(metafunc):
+    """Tests using the kernel_path fixture (whole modules through usefixtures) run on the
+    compiled kernels and on the NumPy code."""
+    if "kernel_path" in metafunc.fixturenames:
+        chosen = metafunc.config.getoption("--kernels")
+        paths = ["native", "numpy"] if chosen == "both" else [chosen]
+        metafunc.parametrize("kernel_path", paths, indirect=True)
+
+
+@pytest.fixture
+def kernel_path(request):
+    from caffepar.nn import native
+    if request.param == "native":
+        try:
+            with native.use("native"):
+                native.kernels("float32")
+        except native.KernelBuildError as e:
+            pytest.skip(f"compiled kernels unavailable: {e}")
+    with native.use(request.param):
+        yield request.param

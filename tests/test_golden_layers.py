@@ -8,6 +8,8 @@ import pytest
 import caffepar as caffe
 from conftest import CAFFE_REF
 
+pytestmark = pytest.mark.usefixtures("kernel_path")
+
 LAYER_DIR = CAFFE_REF / "layers"
 CASES = sorted(json.loads((LAYER_DIR / "index.json").read_text())["cases"]) \
     if (LAYER_DIR / "index.json").exists() else []

@@ -9,6 +9,8 @@ import pytest
 import caffepar as caffe
 from conftest import CAFFE_REF
 
+pytestmark = pytest.mark.usefixtures("kernel_path")
+
 NET_DIR = CAFFE_REF / "nets"
 CASES = sorted(p.name for p in NET_DIR.iterdir() if (p / "net.prototxt").exists()) \
     if NET_DIR.exists() else []

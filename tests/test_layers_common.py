@@ -8,6 +8,8 @@ from caffepar.proto import caffe_pb2
 from caffepar.proto.text import parse_text
 from gradcheck import check_net_gradients
 
+pytestmark = pytest.mark.usefixtures("kernel_path")
+
 
 def net_text(inputs, layers, force=True):
     """An Input layer with one top per (name, shape), then the given layer texts."""

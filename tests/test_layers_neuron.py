@@ -9,6 +9,8 @@ from caffepar.proto import caffe_pb2
 from caffepar.proto.text import parse_text
 from gradcheck import check_net_gradients
 
+pytestmark = pytest.mark.usefixtures("kernel_path")
+
 SHAPE = (2, 3, 4, 5)
 
 

@@ -10,6 +10,8 @@ from caffepar.proto import caffe_pb2
 from caffepar.proto.text import parse_text
 from gradcheck import check_net_gradients
 
+pytestmark = pytest.mark.usefixtures("kernel_path")
+
 FLT_MAX = float(np.finfo(np.float32).max)
 RNG = np.random.default_rng(3)
 

@@ -5,6 +5,8 @@ import pytest
 
 from gradcheck import check_net_gradients
 
+pytestmark = pytest.mark.usefixtures("kernel_path")
+
 RNG = np.random.default_rng(4)
 
 
@@ -72,8 +74,8 @@ def test_inner_product_gradients(shape, param):
 ])
 def test_winograd_convolution_gradients(shape, param, monkeypatch):
     """The Winograd F(2x2, 3x3) engine, taken for any width here."""
-    from caffepar.nn import conv_math
-    monkeypatch.setattr(conv_math, "WINOGRAD_MIN_CHANNELS", 1)
-    monkeypatch.setattr(conv_math, "WINOGRAD_MAX_WASTE", 1.0)
+    from caffepar.nn.conv import winograd
+    monkeypatch.setattr(winograd, "WINOGRAD_MIN_CHANNELS", 1)
+    monkeypatch.setattr(winograd, "WINOGRAD_MAX_WASTE", 1.0)
     check_net_gradients(_net(f'type: "Convolution" convolution_param {{ {param} {FILLERS} }}',
                              shape), {"x": RNG.standard_normal(shape)})

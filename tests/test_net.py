@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-from caffepar.errors import NetError
+from caffepar.errors import LayerError, NetError
 from caffepar.graph.net import TRAIN, Net
 from caffepar.graph.passes import filter_net, insert_splits
 from caffepar.proto import caffe_pb2
@@ -87,6 +87,8 @@ def test_in_place_inputs_outputs_and_backward_rule():
     assert not need["side"], "a layer that feeds no loss does not run backward"
     assert net.bottom_need_backward[net.layer_index("loss")] == [True, False]
     assert net.bottom_need_backward[net.layer_index("ip")] == [False]
+    for i, layer in enumerate(net.layers):        # the layers' hint (a conv picks its engine)
+        assert layer.bottom_need_diff == net.bottom_need_backward[i]
 
 
 def test_force_backward_and_propagate_down():
@@ -101,6 +103,7 @@ def test_force_backward_and_propagate_down():
     """
     net = Net(P(text.replace("{force}", "force_backward: true").replace("{pd}", "")), TRAIN)
     assert net.bottom_need_backward[net.layer_index("ip")] == [True]
+    assert net.layers[net.layer_index("ip")].bottom_need_diff == [True]
     assert net.bottom_need_backward[net.layer_index("loss")] == [True, False]
     net = Net(P(text.replace("{force}", "").replace(
         "{pd}", "propagate_down: false propagate_down: false")), TRAIN)
@@ -172,3 +175,40 @@ def test_loss_weight_scales_loss_and_gradient():
         grads.append(net.blobs["a"].diff.copy())
     assert np.isclose(losses[1], 3 * losses[0])
     np.testing.assert_allclose(grads[1], 3 * grads[0], rtol=1e-6)
+
+
+def test_loss_layer_without_top_gets_an_anonymous_one():
+    """Caffe's AutoTopBlobs: the loss still counts (same value and gradients as with a named
+    top) but the top is no output and no later layer can read it."""
+    text = """
+      layer { name: "in" type: "Input" top: "x" top: "label"
+              input_param { shape { dim: 4 dim: 5 } shape { dim: 4 } } }
+      layer { name: "ip" type: "InnerProduct" bottom: "x" top: "ip"
+              inner_product_param { num_output: 3 weight_filler { type: "gaussian" } } }
+      layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" %s }
+      layer { name: "l2" type: "EuclideanLoss" bottom: "ip" bottom: "ip" loss_weight: 0.5 }
+    """
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 5)).astype(np.float32)
+    results = []
+    for top in ('top: "loss"', ""):
+        net = Net(P(text % top), TRAIN)
+        if results:
+            net.params["ip"][0].data[...] = results[0][2]
+        net.blobs["x"].data[...] = x
+        net.blobs["label"].data[...] = [0, 2, 1, 2]
+        loss = net.forward_from_to()
+        net.backward_from_to()
+        results.append((loss, net.params["ip"][0].diff.copy(), net.params["ip"][0].data.copy(),
+                        net.outputs))
+    (named, named_grad, _, named_outputs), (anon, anon_grad, _, anon_outputs) = results
+    assert named_outputs == ["loss"] and anon_outputs == []
+    assert np.isclose(named, anon) and anon > 0
+    np.testing.assert_allclose(anon_grad, named_grad, rtol=1e-6)
+    assert net.blob_names.count("(automatic)") == 2
+    with pytest.raises(NetError, match=r'unknown bottom blob "\(automatic\)"'):
+        Net(P(text % "" + """layer { name: "s" type: "Silence" bottom: "(automatic)" }"""), TRAIN)
+    with pytest.raises(LayerError, match="at least 1 top"):
+        Net(P("""layer { name: "in" type: "Input" top: "x" top: "y"
+                         input_param { shape { dim: 2 dim: 3 } shape { dim: 2 } } }
+                 layer { name: "acc" type: "Accuracy" bottom: "x" bottom: "y" }"""), TRAIN)

@@ -144,3 +144,22 @@ def test_failing_rank_ends_the_job_with_its_error(tmp_path):
     assert proc.returncode != 0
     assert "rank 1 cannot open its data shard" in proc.stderr
     assert time.perf_counter() - t0 < 30
+
+
+def test_tcp_transport_runs_a_job_and_unknown_transport_is_one_line(tmp_path):
+    """CAFFEPAR_TRANSPORT=tcp puts the ranks on MPI's network path (loopback)."""
+    from caffepar.parallel.launch import transport_environment
+    assert transport_environment("shm") == {}
+    assert transport_environment("tcp")["MPIR_CVAR_NOLOCAL"] == "1"
+    model = Path(__file__).resolve().parents[1] / "models/cifar10_quick/train_val_dummy.prototxt"
+    command = [sys.executable, "-m", "caffepar.cli", "time", "--model", str(model), "--np", "2",
+               "--iterations", "1"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=dict(os.environ, CAFFEPAR_TRANSPORT="tcp"))
+    assert proc.returncode == 0, proc.stderr
+    assert "Average Forward-Backward" in proc.stdout + proc.stderr
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env=dict(os.environ, CAFFEPAR_TRANSPORT="udp"))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "caffepar: error: unknown transport 'udp': expected one of shm, tcp"]

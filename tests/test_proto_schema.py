@@ -34,8 +34,12 @@ EXTENSIONS = {
     ("caffe.LayerParameter", "parallel_mode"): 1000,
     ("caffe.SolverState", "data_position"): 1000,
     ("caffe.SolverState", "rng_state"): 1001,
+    ("caffe.SolverState", "gradient_residual"): 1002,
+    ("caffe.SolverState", "gradient_threshold"): 1003,
+    ("caffe.SolverParameter", "comm_param"): 1000,
 }
 EXTENSION_ENUMS = {"caffe.LayerParameter.ParallelMode"}
+EXTENSION_MESSAGES = {"caffe.CommParameter"}
 
 # sha256 of the canonical listing (see _caffe_fingerprint) of everything in
 # the schema except EXTENSIONS / EXTENSION_ENUMS. It was taken when the schema
@@ -89,7 +93,8 @@ def _caffe_fingerprint(fdp: descriptor_pb2.FileDescriptorProto) -> tuple[str, li
     for enum in fdp.enum_type:
         enum_lines(f"{fdp.package}.{enum.name}", enum)
     for msg in fdp.message_type:
-        message_lines(f"{fdp.package}.{msg.name}", msg)
+        if f"{fdp.package}.{msg.name}" not in EXTENSION_MESSAGES:
+            message_lines(f"{fdp.package}.{msg.name}", msg)
     lines.sort()
     return hashlib.sha256("\n".join(lines).encode()).hexdigest(), lines
 
@@ -176,7 +181,8 @@ def test_caffe_part_of_schema_unchanged():
 
 
 def test_schema_has_all_caffe_messages():
-    names = set(caffe_pb2.DESCRIPTOR.message_types_by_name)
+    names = set(caffe_pb2.DESCRIPTOR.message_types_by_name) - \
+        {name.split(".", 1)[1] for name in EXTENSION_MESSAGES}
     expected = {
         "BlobShape", "BlobProto", "BlobProtoVector", "Datum", "FillerParameter",
         "NetParameter", "SolverParameter", "SolverState", "NetState", "NetStateRule",
@@ -269,6 +275,15 @@ def test_extension_field_numbers_and_types():
     assert pos.type == pos.TYPE_INT64 and pos.is_repeated
     rng = state.fields_by_name["rng_state"]
     assert rng.type == rng.TYPE_BYTES and not rng.is_repeated and rng.has_presence
+    for name in ("gradient_residual", "gradient_threshold"):
+        blobs = state.fields_by_name[name]
+        assert blobs.is_repeated and blobs.message_type.full_name == "caffe.BlobProto"
+
+    solver = caffe_pb2.SolverParameter.DESCRIPTOR
+    comm = solver.fields_by_name["comm_param"]
+    assert comm.message_type.full_name == "caffe.CommParameter" and comm.has_presence
+    standard = [f.number for f in solver.fields if (solver.full_name, f.name) not in EXTENSIONS]
+    assert max(standard) == 42
 
 
 def test_parallel_mode_round_trips():
@@ -317,6 +332,9 @@ def _schema_without_extensions():
     layer = by_name["caffe.LayerParameter"]
     index = next(i for i, e in enumerate(layer.enum_type) if e.name == "ParallelMode")
     del layer.enum_type[index]
+    for name in EXTENSION_MESSAGES:
+        index = next(i for i, m in enumerate(fdp.message_type) if f"caffe.{m.name}" == name)
+        del fdp.message_type[index]
     pool = descriptor_pool.DescriptorPool()
     pool.Add(fdp)
     return lambda name: message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
@@ -338,3 +356,10 @@ def test_extensions_are_skipped_by_plain_caffe_schema():
     old_state = plain("caffe.SolverState").FromString(state.SerializeToString())
     assert old_state.iter == 7
     assert sorted(set(_unknown_field_numbers(old_state))) == [1000, 1001]
+
+    solver = caffe_pb2.SolverParameter(base_lr=0.1)
+    solver.comm_param.overlap = True
+    solver.comm_param.topk_ratio = 0.01
+    old_solver = plain("caffe.SolverParameter").FromString(solver.SerializeToString())
+    assert old_solver.base_lr == pytest.approx(0.1)
+    assert _unknown_field_numbers(old_solver) == [1000]

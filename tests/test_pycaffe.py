@@ -1,12 +1,15 @@
 """pycaffe's API on caffepar: constructor forms, forward/backward with start/end and keyword
-blobs, Blob attributes, reshape, forward_all, and caffe.io helpers."""
+blobs, Blob attributes, reshape, forward_all, load_hdf5, learnable blobs of Python layers, and
+caffe.io helpers."""
+import ast
 import os
+import sys
 
 import numpy as np
 import pytest
 
 import caffepar as caffe
-from caffepar.errors import NetError
+from caffepar.errors import DataError, NetError, WeightsError
 from conftest import DATA, need_shared
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,3 +103,132 @@ def test_transformer_on_a_real_image():
     assert x.shape == (3, 32, 32)
     np.testing.assert_allclose(x[0], image[:, :, 2] * 255 - 104, rtol=1e-5, atol=1e-3)
     np.testing.assert_allclose(t.deprocess("data", x), image, atol=1e-5)
+
+
+def test_blobproto_to_array_shapes_as_pycaffe():
+    blob = caffe.proto.caffe_pb2.BlobProto()
+    blob.data.extend(range(12))
+    with pytest.raises(ValueError, match="12 values"):
+        caffe.io.blobproto_to_array(blob)
+    blob.shape.dim.extend([3, 4])
+    assert caffe.io.blobproto_to_array(blob).shape == (3, 4)
+    blob.num, blob.channels, blob.height, blob.width = 1, 2, 2, 3
+    assert caffe.io.blobproto_to_array(blob).shape == (1, 2, 2, 3)
+    blob.diff.extend(range(12, 24))
+    assert caffe.io.blobproto_to_array(blob, return_diff=True)[0, 1, 1, 2] == 23
+    scalar = caffe.proto.caffe_pb2.BlobProto(data=[123])
+    arr = caffe.io.blobproto_to_array(scalar)
+    assert arr.shape == () and arr == 123
+
+
+def test_load_hdf5_round_trip(weights, tmp_path):
+    net = caffe.Net(DEPLOY, weights, caffe.TEST)
+    path = str(tmp_path / "w.h5")
+    net.save_hdf5(path)
+    other = caffe.Net(DEPLOY, caffe.TEST)
+    other.load_hdf5(path)
+    for name, blobs in net.params.items():
+        for mine, theirs in zip(blobs, other.params[name]):
+            assert np.array_equal(mine.data, theirs.data)
+    with pytest.raises(WeightsError, match="not an HDF5 file"):
+        other.load_hdf5(weights)
+
+
+def test_forward_backward_all(weights):
+    net = caffe.Net(DEPLOY, weights, caffe.TEST)
+    net.blobs["data"].reshape(2, 3, 32, 32)
+    net.reshape()
+    x = np.random.default_rng(4).uniform(-50, 50, (3, 3, 32, 32)).astype(np.float32)
+    outs, grads = net.forward_backward_all(data=x, prob=np.ones((3, 10), np.float32))
+    assert outs["prob"].shape == (3, 10) and grads["data"].shape == x.shape
+    single = caffe.Net(DEPLOY, weights, caffe.TEST)
+    single.forward(data=x[2:])
+    want = single.backward(prob=np.ones((1, 10), np.float32))["data"]
+    np.testing.assert_allclose(grads["data"][2:], want, rtol=1e-4, atol=1e-6)
+
+
+PARAM_LAYER = """
+import caffe
+
+
+class Scale(caffe.Layer):
+    def setup(self, bottom, top):
+        self.blobs.add_blob(1)
+        self.blobs[0].data[...] = 2
+        self.note = "user attribute"
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].data.shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = self.blobs[0].data * bottom[0].data
+
+    def backward(self, top, propagate_down, bottom):
+        self.blobs[0].diff[...] += (top[0].diff * bottom[0].data).sum()
+        bottom[0].diff[...] = self.blobs[0].data * top[0].diff
+"""
+
+
+def test_python_layer_learnable_blob(tmp_path, monkeypatch):
+    """add_blob makes a parameter: in net.params, in the flat buffers, trained by the solver,
+    saved and loaded with the caffemodel. net.layers[i] answers for the user object."""
+    (tmp_path / "scale_layer.py").write_text(PARAM_LAYER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    net_path = tmp_path / "net.prototxt"
+    net_path.write_text("""
+      layer { name: "in" type: "DummyData" top: "x" top: "y"
+              dummy_data_param { shape { dim: 4 } shape { dim: 4 }
+                                 data_filler { type: "constant" value: 1 }
+                                 data_filler { type: "constant" value: 5 } } }
+      layer { name: "scale" type: "Python" bottom: "x" top: "sx"
+              python_param { module: "scale_layer" layer: "Scale" } }
+      layer { name: "loss" type: "EuclideanLoss" bottom: "sx" bottom: "y" top: "loss" }""")
+    solver_path = tmp_path / "solver.prototxt"
+    solver_path.write_text(f'net: "{net_path}" base_lr: 0.25 lr_policy: "fixed" max_iter: 1 '
+                           f'snapshot_prefix: "{tmp_path}/s"')
+    try:
+        solver = caffe.SGDSolver(str(solver_path))
+        net = solver.net
+        assert isinstance(net, caffe.Net) and not isinstance(net, caffe.Classifier)
+        layer = net.layers[list(net._layer_names).index("scale")]
+        assert layer.note == "user attribute" and layer.type == "Python"
+        blob = net.params["scale"][0]
+        assert blob.shape == (1,) and np.shares_memory(blob.data, net.param_data)
+        solver.step(1)
+        # loss = sum((w x - y)^2) / 2 / 4 with x = 1, y = 5, w = 2: dL/dw = (2 - 5) = -3
+        assert blob.data[0] == pytest.approx(2 + 0.25 * 3)
+        path = str(tmp_path / "w.caffemodel")
+        net.save(path)
+        other = caffe.Net(str(net_path), caffe.TEST, weights=path)
+        assert other.params["scale"][0].data[0] == pytest.approx(2.75)
+    finally:
+        sys.modules.pop("scale_layer", None)
+
+
+def test_solver_depends_on_the_net_not_on_the_pycaffe_facade():
+    source = os.path.join(ROOT, "caffepar/solvers/solver.py")
+    imported = set()
+    for node in ast.walk(ast.parse(open(source).read())):
+        if isinstance(node, ast.ImportFrom):
+            imported.add(node.module)
+        elif isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+    assert "caffepar.graph.net" in imported
+    assert not {m for m in imported if m and "pycaffe" in m}
+
+
+def test_transformer_resizes_an_image_mean_of_another_size():
+    """An ImageNet-style 3 x 256 x 256 mean for a smaller input is resized, as pycaffe does;
+    a mean with the wrong channels is refused."""
+    t = caffe.io.Transformer({"data": (1, 3, 8, 8)})
+    ramp = np.linspace(0, 1, 16, dtype=np.float32)
+    mean = np.stack([np.full((16, 16), 10.0), np.full((16, 16), 20.0),
+                     np.tile(ramp, (16, 1)) * 30]).astype(np.float32)
+    t.set_mean("data", mean)
+    resized = t.mean["data"]
+    assert resized.shape == (3, 8, 8)
+    np.testing.assert_allclose(resized[:2], np.broadcast_to([[[10.0]], [[20.0]]], (2, 8, 8)),
+                               rtol=1e-6)
+    assert np.all(np.diff(resized[2], axis=1) > 0) and np.ptp(resized[2], axis=0).max() < 1e-5
+    with pytest.raises(DataError, match="channels"):
+        t.set_mean("data", np.zeros((4, 8, 8), np.float32))

@@ -14,6 +14,8 @@ from caffepar.proto import caffe_pb2
 from caffepar.solvers import get_solver, learning_rate, load_solver_param, rules, solver as solver_mod
 from conftest import CAFFE_REF, need_shared
 
+pytestmark = pytest.mark.usefixtures("kernel_path")
+
 SOLVERS_DIR = CAFFE_REF / "solvers"
 GOLDEN_RUNS = ["sgd_fixed", "sgd_nomomentum_nodecay", "sgd_step", "sgd_multistep_lrmult",
                "nesterov_inv", "adagrad_poly", "rmsprop_sigmoid", "adadelta_fixed", "adam_fixed"]

@@ -269,6 +269,50 @@ def read_image_list(path):
     return entries
 
 
+def read_window_file(path):
+    """Caffe's WindowData source: records of "# <image index>", the image path, its channels,
+    height and width, a window count, then one "<label> <overlap> <x1> <y1> <x2> <y2>" per
+    window (inclusive pixel corners), all whitespace-separated. Returns a list of
+    (image path, (channels, height, width), windows as an N x 6 float64 array)."""
+    tokens = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            tokens.extend((t, n) for t in line.split())
+    pos = 0
+
+    def take(what, kind=str):
+        nonlocal pos
+        if pos >= len(tokens):
+            last = tokens[-1][1] if tokens else 1
+            raise DataError(f"line {last}: file ends where {what} was expected", path=path)
+        text, line = tokens[pos]
+        pos += 1
+        try:
+            return kind(text)
+        except ValueError:
+            raise DataError(f"line {line}: {what} must be {kind.__name__}, got {text!r}",
+                            path=path) from None
+
+    images = []
+    while pos < len(tokens):
+        line = tokens[pos][1]
+        if take("'#'") != "#":
+            raise DataError(f"line {line}: expected '# <image index>' to start an image record",
+                            path=path)
+        take("image index", int)
+        image = take("image path")
+        size = tuple(take(what, int) for what in ("channels", "height", "width"))
+        count = take("number of windows", int)
+        windows = np.array([[take(what, kind) for what, kind in
+                             (("label", int), ("overlap", float), ("x1", int), ("y1", int),
+                              ("x2", int), ("y2", int))] for _ in range(count)],
+                           np.float64).reshape(count, 6)
+        images.append((image, size, windows))
+    if not images:
+        raise DataError("window file is empty", path=path)
+    return images
+
+
 def read_hdf5_list(path):
     """Caffe reads whitespace-separated file names from an HDF5Data source."""
     with open(path) as f:

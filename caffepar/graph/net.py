@@ -7,6 +7,7 @@ view), so a data-parallel run can reduce every gradient with a single call.
 """
 import os
 from collections import OrderedDict
+from itertools import zip_longest
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from caffepar.proto.upgrade import upgrade_net
 
 TRAIN = caffe_pb2.TRAIN
 TEST = caffe_pb2.TEST
+ANONYMOUS_TOP = "(automatic)"
 
 
 def load_net_param(source):
@@ -59,6 +61,9 @@ class Net:
         self.phase = phase
         self.shard = tuple(shard)
         self.layer_factory = layer_factory
+        # Told layer_start(kind, i) / layer_end(kind, i) around every layer's forward and
+        # backward (kind "forward" or "backward"): timelines, gradient reduction during backward.
+        self.observers = []
         self.name = param.name
         param = insert_splits(filter_net(param, smap), smap)
         self.param = param
@@ -95,7 +100,6 @@ class Net:
             layer = layer or create_layer(layer_param, self.phase, self.dtype, where)
             layer.net_dir = self.source_dir
             layer.shard = self.shard
-            layer_id = len(self.layers)
             self.layers.append(layer)
             self._layer_names.append(layer_param.name)
             bottoms, bneed = [], []
@@ -117,7 +121,15 @@ class Net:
             if layer.auto_top_blobs:
                 num_top = max(num_top, layer.min_tops or 0, layer.exact_tops or 0)
             for j in range(num_top):
-                name = layer_param.top[j] if j < len(layer_param.top) else f"(automatic){layer_id}_{j}"
+                if j >= len(layer_param.top):
+                    # Caffe's AutoTopBlobs: an anonymous top the prototxt left out. No other
+                    # layer can take it as a bottom and it is no net output, but its loss counts.
+                    tops.append(len(self.blob_list))
+                    self.blob_list.append(Blob((), self.dtype))
+                    self.blob_names.append(ANONYMOUS_TOP)
+                    blob_need_backward.append(False)
+                    continue
+                name = layer_param.top[j]
                 if j < len(layer_param.bottom) and name == layer_param.bottom[j]:
                     tops.append(blob_index[name])
                 elif name in blob_index:
@@ -196,6 +208,8 @@ class Net:
                     need or layer.allow_force_backward(j)
                     for j, need in enumerate(self.bottom_need_backward[i])]
                 layer.param_propagate_down = [True] * len(layer.blobs)
+        for i, layer in enumerate(self.layers):
+            layer.bottom_need_diff = self.bottom_need_backward[i]
 
     def _share_params(self):
         """Resolve ParamSpec names, then move every learnable blob into the flat buffers."""
@@ -313,23 +327,41 @@ class Net:
         end = len(self.layers) - 1 if end is None else end
         loss = 0.0
         for i in range(start, end + 1):
-            layer = self.layers[i]
-            bottoms = self._blobs_of(self.bottom_ids[i])
-            tops = self._blobs_of(self.top_ids[i])
-            layer.reshape(bottoms, tops)
-            layer.forward(bottoms, tops)
-            for j, top in enumerate(tops):
-                if layer.loss_weights[j]:
-                    loss += float(np.vdot(top.data, top.diff))
+            loss = self.forward_layer(i, loss)
         return loss
 
     def backward_from_to(self, start=None, end=0):
         start = len(self.layers) - 1 if start is None else start
         for i in range(start, end - 1, -1):
-            if self.layer_need_backward[i]:
-                self.layers[i].backward(self._blobs_of(self.top_ids[i]),
-                                        self.bottom_need_backward[i],
-                                        self._blobs_of(self.bottom_ids[i]))
+            self.backward_layer(i, self.layer_need_backward[i])
+
+    def forward_layer(self, i, loss=0.0):
+        """Reshape and forward layer i; return `loss` plus the weighted loss of its tops."""
+        layer = self.layers[i]
+        bottoms = self._blobs_of(self.bottom_ids[i])
+        tops = self._blobs_of(self.top_ids[i])
+        for o in self.observers:
+            o.layer_start("forward", i)
+        layer.reshape(bottoms, tops)
+        layer.forward(bottoms, tops)
+        for j, top in enumerate(tops):
+            if layer.loss_weights[j]:
+                loss += float(np.vdot(top.data, top.diff))
+        for o in self.observers:
+            o.layer_end("forward", i)
+        return loss
+
+    def backward_layer(self, i, run=True):
+        """Backward of layer i when `run`; observers hear of the layer either way, so one
+        that waits for a parameter's gradient learns when backward has passed its layer."""
+        for o in self.observers:
+            o.layer_start("backward", i)
+        if run:
+            self.layers[i].backward(self._blobs_of(self.top_ids[i]),
+                                    self.bottom_need_backward[i],
+                                    self._blobs_of(self.bottom_ids[i]))
+        for o in self.observers:
+            o.layer_end("backward", i)
 
     def forward_backward(self):
         loss = self.forward_from_to()
@@ -381,11 +413,90 @@ class Net:
         self.backward_from_to(start_i, end_i)
         return {name: self.blobs[name].diff for name in sorted(wanted)}
 
+    def forward_all(self, blobs=None, **kwargs):
+        """Forward inputs of any length in the net's batch size; outputs concatenated."""
+        outs = {name: [] for name in set(self.outputs) | set(blobs or ())}
+        if not kwargs:
+            for name, value in self.forward(blobs=blobs).items():
+                outs[name].append(value.copy())
+        for chunk, n in self._batches(kwargs):
+            for name, value in self.forward(blobs=blobs, **chunk).items():
+                outs[name].append(value[:n].copy())
+        return _concatenated(outs)
+
+    def forward_backward_all(self, blobs=None, diffs=None, **kwargs):
+        """forward_all and backward_all in one sweep: kwargs hold inputs and output diffs in
+        any length; returns (outputs, input diffs), each concatenated."""
+        fwd_in = {k: v for k, v in kwargs.items() if k in self.inputs}
+        bwd_in = {k: v for k, v in kwargs.items() if k in self.outputs}
+        unknown = set(kwargs) - set(fwd_in) - set(bwd_in)
+        if unknown:
+            raise NetError(f"not an input or output of net \"{self.name}\": "
+                           f"{', '.join(sorted(unknown))}")
+        outs = {name: [] for name in set(self.outputs) | set(blobs or ())}
+        grads = {name: [] for name in set(self.inputs) | set(diffs or ())}
+        fwd_batches = list(self._batches(fwd_in)) or [({}, None)]
+        bwd_batches = list(self._batches(bwd_in)) or [({}, None)]
+        for (fwd, n), (bwd, _) in zip_longest(fwd_batches, bwd_batches, fillvalue=({}, None)):
+            for name, value in self.forward(blobs=blobs, **fwd).items():
+                outs[name].append(value[:n].copy())
+            for name, value in self.backward(diffs=diffs, **bwd).items():
+                grads[name].append(value[:n].copy())
+        return _concatenated(outs), _concatenated(grads)
+
+    def _batches(self, arrays):
+        """Split same-length arrays into chunks of the net's batch size (the last zero-padded);
+        yields (chunk, number of real items)."""
+        if not arrays:
+            return
+        total = len(next(iter(arrays.values())))
+        batch = self.blobs[next(iter(arrays))].shape[0]
+        for start in range(0, total, batch):
+            chunk = {}
+            for name, value in arrays.items():
+                part = np.asarray(value[start:start + batch])
+                if len(part) < batch:
+                    pad = np.zeros((batch - len(part),) + part.shape[1:], part.dtype)
+                    part = np.concatenate([part, pad])
+                chunk[name] = part
+            yield chunk, min(batch, total - start)
+
+    def set_input_arrays(self, data, labels):
+        """Feed arrays to the net's first MemoryData layer, with pycaffe's checks. The layer
+        keeps references to the arrays (no copy), as pycaffe does."""
+        layer = next((l for l in self.layers if l.type == "MemoryData"), None)
+        if layer is None:
+            raise NetError("set_input_arrays may only be called if the net has a MemoryData layer")
+        labels = np.asarray(labels) if not isinstance(labels, np.ndarray) else labels
+        if labels.ndim == 1:
+            labels = np.ascontiguousarray(labels[:, None, None, None])
+        for name, arr, dims in (("data array", data, (layer.channels, layer.height, layer.width)),
+                                ("labels array", labels, (1, 1, 1))):
+            if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous:
+                raise NetError(f"{name} must be C contiguous")
+            if arr.ndim != 4:
+                raise NetError(f"{name} must be 4-d")
+            if arr.dtype != np.float32:
+                raise NetError(f"{name} must be float32")
+            for axis, what in zip(range(1, 4), ("number of channels", "height", "width")):
+                if arr.shape[axis] != dims[axis - 1]:
+                    raise NetError(f"{name} has wrong {what}")
+        if data.shape[0] != labels.shape[0]:
+            raise NetError("data and labels must have the same first dimension")
+        if data.shape[0] % layer.batch_size:
+            raise NetError("first dimensions of input arrays must be a multiple of batch size")
+        layer.reset(data, labels, data.shape[0])
+
     def copy_from(self, path, allow_missing=True):
         """Caffe's CopyTrainedLayersFrom (layers the file lacks keep their values, unless
         allow_missing is False: then they are an error)."""
         from caffepar.io.weights import copy_weights_files
         copy_weights_files(self, [path], allow_missing=allow_missing)
+
+    def load_hdf5(self, path):
+        """Caffe's CopyTrainedLayersFromHDF5: weights by layer name from an HDF5 caffemodel."""
+        from caffepar.io.weights import copy_weights_into, read_caffemodel_hdf5
+        copy_weights_into(self, read_caffemodel_hdf5(path))
 
     def share_with(self, other):
         """Share trained layers' parameter data with another net (Caffe's ShareTrainedLayersWith)."""
@@ -415,3 +526,8 @@ class Net:
     def save_hdf5(self, path):
         from caffepar.io.weights import save_caffemodel_hdf5
         save_caffemodel_hdf5(self, path)
+
+
+def _concatenated(parts_by_name):
+    return {name: np.concatenate(parts) if parts and parts[0].ndim else np.asarray(parts)
+            for name, parts in parts_by_name.items()}

@@ -102,3 +102,25 @@ def insert_splits(net, smap=None):
                     new.ClearField("loss_weight")
                     next_split[src] = next_split.get(src, 0) + 1
     return out
+
+
+def with_batch(net, batch):
+    """The net with every input and data layer producing `batch` samples (Input and DummyData
+    shapes' first axis, data layers' batch_size)."""
+    out = caffe_pb2.NetParameter()
+    out.CopyFrom(net)
+    for shape in out.input_shape:
+        shape.dim[0] = batch
+    if out.input_dim:
+        out.input_dim[0] = batch
+    for layer in out.layer:
+        for shape in list(layer.input_param.shape) + list(layer.dummy_data_param.shape):
+            if shape.dim:
+                shape.dim[0] = batch
+        if layer.dummy_data_param.num:
+            layer.dummy_data_param.num[:] = [batch] * len(layer.dummy_data_param.num)
+        for field in ("data_param", "image_data_param", "hdf5_data_param", "memory_data_param",
+                      "window_data_param"):
+            if layer.HasField(field):
+                getattr(layer, field).batch_size = batch
+    return out

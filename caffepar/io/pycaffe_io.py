@@ -8,15 +8,19 @@ from caffepar.proto import caffe_pb2
 
 
 def blobproto_to_array(blob, return_diff=False):
+    """A BlobProto's data (or diff) as an array shaped by its legacy num/channels/height/width
+    when any of them is set, else by its shape; ValueError when the values do not fill it."""
     values = np.asarray(blob.diff if return_diff else blob.data, np.float32)
     if not values.size:
         values = np.asarray(blob.double_diff if return_diff else blob.double_data)
-    if blob.HasField("shape") and len(blob.shape.dim):
-        return values.reshape(tuple(blob.shape.dim))
-    if blob.HasField("num") or blob.HasField("channels") or blob.HasField("height") \
-            or blob.HasField("width"):
-        return values.reshape(blob.num, blob.channels, blob.height, blob.width)
-    return values
+    if any(blob.HasField(f) for f in ("num", "channels", "height", "width")):
+        shape = (blob.num, blob.channels, blob.height, blob.width)
+    else:
+        shape = tuple(blob.shape.dim)
+    if values.size != int(np.prod(shape, dtype=np.int64)):
+        raise ValueError(f"BlobProto holds {values.size} values, its shape {shape} needs "
+                         f"{int(np.prod(shape, dtype=np.int64))}")
+    return values.reshape(shape)
 
 
 def array_to_blobproto(arr, diff=None):
@@ -127,16 +131,22 @@ class Transformer:
     def set_mean(self, in_, mean):
         self._check(in_)
         mean = np.asarray(mean, np.float32)
-        ms = mean.shape
+        in_shape = tuple(self.inputs[in_][1:])
         if mean.ndim == 1:
-            if ms[0] != self.inputs[in_][1]:
-                raise DataError("mean channels incompatible with input")
+            if mean.shape[0] != in_shape[0]:
+                raise DataError(f"mean has {mean.shape[0]} channels, the input {in_shape[0]}")
             mean = mean[:, None, None]
-        elif len(ms) == 2:
-            ms = (1,) + ms
-        if len(ms) == 3 and ms != tuple(self.inputs[in_][1:]):
-            raise DataError(f"mean shape {ms} incompatible with input shape "
-                            f"{tuple(self.inputs[in_][1:])}")
+        else:
+            if mean.ndim == 2:
+                mean = mean[None]
+            if mean.ndim != 3:
+                raise DataError(f"mean must be 1-D (per channel) or C x H x W, got shape "
+                                f"{mean.shape}")
+            if mean.shape[0] != in_shape[0]:
+                raise DataError(f"mean has {mean.shape[0]} channels, the input {in_shape[0]}")
+            if mean.shape != in_shape:
+                # An image mean of another size (256 x 256 for a 227 x 227 input) is resized.
+                mean = resize_image(mean.transpose(1, 2, 0), in_shape[1:]).transpose(2, 0, 1)
         self.mean[in_] = mean
 
     def set_input_scale(self, in_, scale):

@@ -253,6 +253,17 @@ def is_hdf5(path):
         return f.read(8) == b"\x89HDF\r\n\x1a\n"
 
 
+def read_caffemodel_hdf5(path):
+    """An HDF5 caffemodel (data/<layer>/<blob index>), refusing any other file."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise MissingFileError(path, "weights file")
+    if not is_hdf5(path):
+        raise WeightsError("not an HDF5 file (a binary caffemodel loads with copy_from)",
+                           path=path)
+    return _read_hdf5(path)
+
+
 def read_caffemodel(path):
     path = os.fspath(path)
     if not os.path.exists(path):

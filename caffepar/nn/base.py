@@ -3,9 +3,9 @@ import difflib
 
 import numpy as np
 
-from caffepar.blob import Blob
+from caffepar.blob import Blob, BlobVec
 from caffepar.errors import LayerError, NetError
-from caffepar.fillers import fill
+from caffepar.fillers import fill, filling
 
 LAYERS = {}
 
@@ -63,9 +63,13 @@ class Layer:
         self.phase = phase
         self.dtype = np.dtype(dtype)
         self.where = where or {}
-        self.blobs = []
+        self.blobs = BlobVec(dtype=self.dtype)
         self.param_propagate_down = []
         self.loss_weights = []
+        # Which bottoms the net will want a diff for (set by the net; None: unknown). Only a
+        # hint for work a layer can choose how to do (a convolution's engine); backward's
+        # propagate_down decides.
+        self.bottom_need_diff = None
 
     def error(self, message, hint=None):
         return LayerError(message, layer=self.name, layer_type=self.param.type,
@@ -123,7 +127,7 @@ class Layer:
     def add_param_blob(self, shape, filler=None):
         blob = Blob(shape, self.dtype)
         blob.is_param = True
-        if filler is not None:
+        if filler is not None and filling():
             blob.data[...] = fill(filler, blob.shape, self.dtype)
         self.blobs.append(blob)
         return blob

@@ -49,11 +49,13 @@ def split_label_axis(layer, bottom, axis_value, label_what="label"):
 
 
 class LossLayer(Layer):
-    """Caffe's LossLayer: two bottoms with the same first axis, one 0-axis top, weight 1."""
+    """Caffe's LossLayer: two bottoms with the same first axis, one 0-axis top, weight 1. Its
+    top may be left out of the prototxt (Caffe's AutoTopBlobs)."""
 
     exact_bottoms = 2
     exact_tops = 1
     is_loss = True
+    auto_top_blobs = True
 
     def allow_force_backward(self, bottom_index):
         return bottom_index != 1

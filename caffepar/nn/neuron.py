@@ -8,7 +8,9 @@ import math
 import numpy as np
 
 from caffepar import common
+from caffepar.nn import native
 from caffepar.nn.base import Layer, register
+from caffepar.nn.blas import blas_threads, run_parts, scratch
 from caffepar.proto import caffe_pb2
 
 
@@ -50,6 +52,24 @@ class NeuronLayer(Layer):
         return buf
 
 
+def _compiled(*arrays):
+    """The compiled kernels when every array is C-contiguous (float ones of one dtype), else
+    None."""
+    if not all(a.flags.c_contiguous for a in arrays):
+        return None
+    return native.kernels(arrays[0].dtype)
+
+
+def _side_by_side(kernel, arrays, extra=()):
+    """kernel(*pointers, count, *extra) over equal flat runs of the arrays, side by side."""
+    n = arrays[0].size
+    runs = max(1, min(4 * blas_threads(), n // CHUNK))
+    bases = [(native.ptr(a), a.itemsize) for a in arrays]
+    bounds = [n * i // runs for i in range(runs + 1)]
+    run_parts(lambda r: kernel(*[b + r[0] * s for b, s in bases], r[1] - r[0], *extra),
+              list(zip(bounds, bounds[1:])))
+
+
 def _sigmoid(x, out):
     """Caffe's sigmoid, 0.5 * tanh(0.5 x) + 0.5: stable for large |x| without branches."""
     np.multiply(x, 0.5, out=out)
@@ -83,6 +103,10 @@ class ReLULayer(NeuronLayer):
         if not propagate_down[0]:
             return
         x, dy, dx = bottom[0].data, top[0].diff, bottom[0].diff
+        k = _compiled(x, dy, dx)
+        if k is not None:
+            _side_by_side(k.relu_backward, (x, dy, dx), (self.slope,))
+            return
         positive = self.scratch("positive", x.size, bool)
         if self.slope == 0:
             for xc, dyc, dxc in _chunks(x, dy, dx):
@@ -395,6 +419,13 @@ class DropoutLayer(NeuronLayer):
         if self.phase == caffe_pb2.TRAIN:
             if self.mask is None or self.mask.shape != x.shape:
                 self.mask = np.empty(x.shape, bool)
+            k = _compiled(x, y)
+            if k is not None:
+                draws = scratch("dropout_draws", x.shape, np.float32)
+                common.rng().random(dtype=np.float32, out=draws)
+                _side_by_side(k.dropout_forward, (x, draws, y, self.mask),
+                              (self.ratio, self.scale, self.scale_train))
+                return
             draws = self.scratch("draws", x.size, np.float32)
             rng, ratio, scale = common.rng(), np.float32(self.ratio), self.dtype.type(self.scale)
             for xc, yc, keep in _chunks(x, y, self.mask):
@@ -415,6 +446,11 @@ class DropoutLayer(NeuronLayer):
             return
         dy, dx = top[0].diff, bottom[0].diff
         if self.phase == caffe_pb2.TRAIN:
+            k = _compiled(dy, dx)
+            if k is not None:
+                _side_by_side(k.dropout_backward, (dy, self.mask, dx),
+                              (self.scale, self.scale_train))
+                return
             scale = self.dtype.type(self.scale)
             for dyc, dxc, keep in _chunks(dy, dx, self.mask):
                 np.multiply(dyc, keep, out=dxc)

@@ -1,6 +1,9 @@
 """Normalisation layers: LRN, BatchNorm and MVN, as BVLC Caffe computes them."""
+import math
+
 import numpy as np
 
+from caffepar.nn import native
 from caffepar.nn.base import Layer, register
 from caffepar.nn.blas import run_parts, scratch, split_parts
 from caffepar.proto import caffe_pb2
@@ -52,6 +55,28 @@ def _image_blocks(x):
     return step, [(i, min(len(x), i + step)) for i in range(0, len(x), step)]
 
 
+def _kernels(*arrays):
+    """The compiled kernels for same-dtype C-contiguous arrays, or None."""
+    if len({a.dtype for a in arrays}) != 1 or not all(a.flags.c_contiguous for a in arrays):
+        return None
+    return native.kernels(arrays[0].dtype)
+
+
+def _run_images(kernel, arrays, shape, extra):
+    """A compiled kernel over the images side by side (arrays (N, C, H, W)), each thread with a
+    work array of C + 1 planes."""
+    n, c = shape[:2]
+    hw = math.prod(shape[2:])
+    bases = [(native.ptr(a), a.strides[0]) for a in arrays]
+
+    def run(images):
+        work = scratch("lrn_a", ((c + 1) * hw,), arrays[0].dtype)
+        kernel(*[b + images[0] * s for b, s in bases], native.ptr(work), len(images), c, hw,
+               *extra)
+
+    run_parts(run, split_parts(range(n), n))
+
+
 @register("LRN")
 class LRNLayer(Layer):
     """Local response normalisation.
@@ -101,6 +126,11 @@ class LRNLayer(Layer):
                 or self.scale.dtype != x.dtype:
             self.scale = np.empty_like(x)
             self.power = np.empty_like(x)
+        k = _kernels(x, y, self.scale)
+        if k is not None:
+            _run_images(k.lrn_forward, (x, y, self.scale, self.power), x.shape,
+                        (self.size, self.alpha / self.size, self.k, self.beta))
+            return
         step, blocks = _image_blocks(x)
         half = (self.size - 1) // 2
         c = x.shape[1]
@@ -124,8 +154,13 @@ class LRNLayer(Layer):
 
     def _across_backward(self, x, y, dy, dx):
         """dx = dy scale^-beta - 2 alpha beta / n * x * window sum of dy y / scale."""
-        step, blocks = _image_blocks(x)
         factor = -2.0 * self.alpha * self.beta / self.size
+        k = _kernels(x, y, dy, dx, self.scale)
+        if k is not None:
+            _run_images(k.lrn_backward, (x, y, dy, dx, self.scale, self.power), x.shape,
+                        (self.size, factor))
+            return
+        step, blocks = _image_blocks(x)
 
         block = (min(step, len(x)),) + x.shape[1:]
 

@@ -7,12 +7,17 @@ contiguous 1-D slice at a fixed offset, and the per-offset loop runs on whole bl
 in cache. Cells a window reaches outside the image hold the fill value (-inf for MAX, 0 for
 AVE), set once when a block buffer is made. The blocks are independent, so they are spread over
 the process's cores (`run_parts`), each thread with its own block buffers.
+
+With the compiled kernels (`caffepar.nn.native`) each window is scanned in place instead, a run
+of planes per call, the runs side by side; they keep the NumPy code's winner layout and order of
+sums.
 """
 import math
 import threading
 
 import numpy as np
 
+from caffepar.nn import native
 from caffepar.nn.base import Layer, register
 from caffepar.nn.blas import blas_threads, run_parts, split_parts
 from caffepar.proto import caffe_pb2
@@ -109,6 +114,25 @@ class PoolGeometry:
         workers = blas_threads()
         run_parts(fn, split_parts(self.blocks(n_planes, workers)), workers)
 
+    def run_native(self, kernel, arrays, n_planes, extra=()):
+        """A compiled kernel over runs of planes side by side; `arrays` are C-contiguous with
+        planes first. Returns the sum of the kernel's results (negative: out of memory)."""
+        dims = (self.h, self.w, self.oh, self.ow, self.kh, self.kw, self.sh, self.sw,
+                self.ph, self.pw) + tuple(extra)
+        bases = [(native.ptr(a), a.strides[0]) for a in arrays]
+
+        def run(runs):
+            return sum(kernel(*[b + p0 * s for b, s in bases], p1 - p0, *dims)
+                       for p0, p1 in runs)
+
+        workers = blas_threads()
+        runs = [(p[0], p[-1] + 1) for p in split_parts(range(n_planes), 4 * workers)] \
+            if workers > 1 else [(0, n_planes)]
+        results = run_parts(run, split_parts(runs), workers)
+        if min(results) < 0:
+            raise MemoryError("pooling: no memory for a work buffer")
+        return sum(results)
+
     def split(self, phases, xb):
         """Copy a block of image planes into its phases."""
         for p, (rs, cs, xr, xc) in enumerate(self.fills):
@@ -139,6 +163,13 @@ class PoolGeometry:
         return np.outer(dh, dw).astype(dtype)
 
 
+def _kernels(a, b):
+    """The compiled kernels for a pair of same-dtype C-contiguous arrays, or None."""
+    if a.dtype != b.dtype or not (a.flags.c_contiguous and b.flags.c_contiguous):
+        return None
+    return native.kernels(a.dtype)
+
+
 def max_pool_forward(g, x, out):
     """Max pooling into `out`; returns the winning kernel offset per output (-1: none) in the
     padded (planes, rows, cols) layout that max_pool_backward reads (g.compact gives the
@@ -147,6 +178,11 @@ def max_pool_forward(g, x, out):
     strict improvement is the largest offset that improved: arg = max_k(k * improved_k)."""
     x3, y3 = g.planes(x, g.h, g.w), g.planes(out, g.oh, g.ow)
     args = np.empty((len(x3), g.rows, g.cols), _index_dtype(g.kh * g.kw))
+    k = _kernels(x, out)
+    if k is not None:
+        g.run_native(k.max_pool_forward, (x3, y3, args), len(x3),
+                     (g.rows, g.cols, args.itemsize))
+        return args
 
     def run(blocks):
         phases, best, hit, _, step = g.buffers("max", x.dtype, -np.inf)
@@ -195,6 +231,12 @@ def max_pool_mask(g, arg):
 def max_pool_backward(g, arg, dy, dx):
     """Route dy to the winners; `arg` as max_pool_forward returned it."""
     dy3, dx3 = g.planes(dy, g.oh, g.ow), g.planes(dx, g.h, g.w)
+    k = _kernels(dy, dx)
+    if k is not None:
+        if g.run_native(k.max_pool_backward, (dy3, dx3, arg), len(dx3),
+                        (g.rows, g.cols, arg.itemsize)):
+            _scatter_unassigned(g.compact(arg, dy.shape) < 0, dy, dx)
+        return
 
     def run(blocks):
         grads, dys, hit, tmp, _ = g.buffers("max_grad", dx.dtype, 0)
@@ -247,6 +289,10 @@ def max_pool_backward_from_mask(g, mask, dy, dx):
 
 def ave_pool_forward(g, x, out):
     x3, y3 = g.planes(x, g.h, g.w), g.planes(out, g.oh, g.ow)
+    k = _kernels(x, out)
+    if k is not None:
+        g.run_native(k.ave_pool_forward, (x3, y3), len(x3), (g.rows, g.cols))
+        return
     divisor = g.ave_divisor(out.dtype)
 
     def run(blocks):
@@ -269,6 +315,10 @@ def ave_pool_forward(g, x, out):
 
 def ave_pool_backward(g, dy, dx):
     dy3, dx3 = g.planes(dy, g.oh, g.ow), g.planes(dx, g.h, g.w)
+    k = _kernels(dy, dx)
+    if k is not None:
+        g.run_native(k.ave_pool_backward, (dy3, dx3), len(dx3), (g.rows, g.cols))
+        return
     divisor = g.ave_divisor(dx.dtype)
 
     def run(blocks):

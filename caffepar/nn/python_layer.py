@@ -23,19 +23,6 @@ class PythonLayerBase:
         pass
 
 
-def _import_user_module(name):
-    """Import a user's layer module; modules written for pycaffe do `import caffe`, so when no
-    real Caffe is installed that name is given caffepar."""
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name != "caffe" or "caffe" in sys.modules:
-            raise
-    import caffepar
-    sys.modules["caffe"] = caffepar
-    return importlib.import_module(name)
-
-
 @register("Python")
 class PythonLayer(Layer):
     def layer_setup(self, bottom, top):
@@ -46,7 +33,7 @@ class PythonLayer(Layer):
         if folder and folder not in sys.path:
             sys.path.append(folder)
         try:
-            module = _import_user_module(p.module)
+            module = importlib.import_module(p.module)
         except ImportError as e:
             raise self.error(f'cannot import python module "{p.module}": {e}') from None
         cls = getattr(module, p.layer, None)
@@ -57,6 +44,14 @@ class PythonLayer(Layer):
         self.user.phase = self.phase
         self.user.blobs = self.blobs
         self.user.setup(bottom, top)
+
+    def __getattr__(self, name):
+        """The user object's own (public) attributes, as pycaffe's `net.layers[i]` is that
+        object."""
+        user = self.__dict__.get("user")
+        if user is None or name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(user, name)
 
     def reshape(self, bottom, top):
         self.user.reshape(bottom, top)

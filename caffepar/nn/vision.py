@@ -1,9 +1,9 @@
 """Convolution, Deconvolution and Im2col: Caffe's layer parameters and blob handling over the
-array kernels in conv_math."""
+array kernels in caffepar.nn.conv."""
 import numpy as np
 
 from caffepar.blob import canonical_axis
-from caffepar.nn import conv_math
+from caffepar.nn import conv
 from caffepar.nn.base import Layer, register
 
 
@@ -129,18 +129,32 @@ class _ConvolutionBase(Layer):
     def _kernels(self):
         return self.stride, self.pad, self.dilation, self.group
 
+    def engine(self, bottom_shape):
+        """The convolution engine this layer's shape runs on (`caffepar time` prints it)."""
+        spatial = tuple(bottom_shape[self.axis + 1:])
+        if self.transposed:     # runs as the backward pass of the convolution top -> bottom
+            spatial = self.output_spatial(spatial)
+        need_dx = bool((self.bottom_need_diff or [True])[0]) or self.transposed
+        return conv.conv_engine(spatial, self.blobs[0].shape, *self._kernels(),
+                                batch=self.batch, dtype=self.blobs[0].data.dtype,
+                                need_dx=need_dx)
+
     def forward(self, bottom, top):
         w = self.blobs[0].data
         b = self.blobs[1].data if self.bias_term else None
-        run = conv_math.deconv_forward if self.transposed else conv_math.conv_forward
-        for bt, tp in zip(bottom, top):
+        hints = self.bottom_need_diff or [True] * len(bottom)
+        for bt, tp, need_dx in zip(bottom, top, hints):
             out = self._nc_view(tp.data, bt.data)
-            y = run(self._as_nc(bt.data), w, b, *self._kernels(), out=out)
+            if self.transposed:
+                y = conv.deconv_forward(self._as_nc(bt.data), w, b, *self._kernels(), out=out)
+            else:
+                y = conv.conv_forward(self._as_nc(bt.data), w, b, *self._kernels(), out=out,
+                                      backward_dx=bool(need_dx))
             if out is None:
                 tp.data[...] = y.reshape(tp.shape)
 
     def backward(self, top, propagate_down, bottom):
-        run = conv_math.deconv_backward if self.transposed else conv_math.conv_backward
+        run = conv.deconv_backward if self.transposed else conv.conv_backward
         need_w = self.param_propagate_down[0]
         need_b = self.bias_term and self.param_propagate_down[1]
         for i, (bt, tp) in enumerate(zip(bottom, top)):
@@ -161,8 +175,8 @@ class _ConvolutionBase(Layer):
 @register("Convolution")
 class ConvolutionLayer(_ConvolutionBase):
     def output_spatial(self, spatial):
-        return conv_math.conv_output_shape(spatial, self.kernel, self.stride, self.pad,
-                                           self.dilation)
+        return conv.conv_output_shape(spatial, self.kernel, self.stride, self.pad,
+                                      self.dilation)
 
 
 @register("Deconvolution")
@@ -189,16 +203,16 @@ class Im2colLayer(Layer):
 
     def reshape(self, bottom, top):
         shape = bottom[0].shape
-        spatial = conv_math.conv_output_shape(shape[self.axis + 1:], self.kernel, self.stride,
-                                              self.pad, self.dilation)
+        spatial = conv.conv_output_shape(shape[self.axis + 1:], self.kernel, self.stride,
+                                         self.pad, self.dilation)
         channels = shape[self.axis] * int(np.prod(self.kernel))
         top[0].reshape(shape[:self.axis] + (channels,) + spatial)
 
     def forward(self, bottom, top):
         x = bottom[0].data
         n = int(np.prod(x.shape[:self.axis], dtype=np.int64))
-        cols = conv_math.im2col(x.reshape((n,) + x.shape[self.axis:]), self.kernel, self.stride,
-                                self.pad, self.dilation)
+        cols = conv.im2col(x.reshape((n,) + x.shape[self.axis:]), self.kernel, self.stride,
+                           self.pad, self.dilation)
         top[0].data[...] = cols.reshape(top[0].shape)
 
     def backward(self, top, propagate_down, bottom):
@@ -207,7 +221,7 @@ class Im2colLayer(Layer):
         x_shape = bottom[0].shape
         n = int(np.prod(x_shape[:self.axis], dtype=np.int64))
         dy = top[0].diff
-        dx = conv_math.col2im(dy.reshape((n,) + dy.shape[self.axis:]),
-                              (n,) + x_shape[self.axis:], self.kernel, self.stride, self.pad,
-                              self.dilation)
+        dx = conv.col2im(dy.reshape((n,) + dy.shape[self.axis:]),
+                         (n,) + x_shape[self.axis:], self.kernel, self.stride, self.pad,
+                         self.dilation)
         bottom[0].diff[...] = dx.reshape(x_shape)

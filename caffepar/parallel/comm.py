@@ -3,6 +3,10 @@
 `LocalComm` is the one-rank group: every collective is the identity, so parallel code runs in an
 ordinary process (and in tests) unchanged. `MpiComm` runs the same calls over mpi4py with
 buffer (uppercase) methods on contiguous NumPy arrays.
+
+Non-blocking collectives (`i...`) return a request with `test()` and `wait()`; they are not
+timed here, their caller knows when it started and when it saw them complete. A timeline set
+on a communicator (`comm.timeline`) records every blocking collective.
 """
 import os
 import signal
@@ -39,11 +43,37 @@ class CommStats:
         return out
 
 
+class Done:
+    """A request that completed when it was posted (one-rank groups)."""
+
+    def test(self):
+        return True
+
+    def wait(self):
+        pass
+
+
+class _Request:
+    def __init__(self, request):
+        self.request = request
+
+    def test(self):
+        return self.request.Test()
+
+    def wait(self):
+        self.request.Wait()
+
+
+def _displacements(counts):
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+
+
 class Comm:
     """Interface shared by LocalComm and MpiComm. `tag` names the layer a call is made for."""
 
     rank = 0
     size = 1
+    timeline = None
 
     def __init__(self):
         self.stats = CommStats()
@@ -54,7 +84,10 @@ class Comm:
     def _timed(self, tag, op, nbytes, fn):
         t0 = time.perf_counter()
         result = self._watched(tag, op, fn)
-        self.stats.add((tag, op), time.perf_counter() - t0, nbytes)
+        t1 = time.perf_counter()
+        self.stats.add((tag, op), t1 - t0, nbytes)
+        if self.timeline is not None:
+            self.timeline.collective(f"{op} {tag}", t0, t1, {"bytes": nbytes})
         return result
 
     def _watched(self, tag, op, fn):
@@ -73,6 +106,41 @@ class Comm:
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
+
+    # Non-blocking collectives, sums in place; one rank: nothing to do.
+    def iallreduce_sum(self, buf):
+        return Done()
+
+    def ireduce_scatter_sum(self, send, recv, counts):
+        """Rank r receives the sum over ranks of send's block r (block sizes `counts`)."""
+        recv[...] = send.reshape(-1)[:recv.size]
+        return Done()
+
+    def iallgatherv_inplace(self, buf, counts):
+        """Every rank's block (at its displacement in buf) reaches every rank."""
+        return Done()
+
+    def iallgather(self, send, recv):
+        recv[...] = send.reshape(recv.shape)
+        return Done()
+
+    def iallgatherv(self, send, recv, counts):
+        recv[...] = send.reshape(recv.shape)
+        return Done()
+
+    # Sub-groups
+    def dup(self):
+        return self
+
+    def split(self, color, key=0):
+        return self
+
+    def node_groups(self, ranks_per_node=None):
+        """(ranks of my node, my peers of the same local rank on the other nodes)."""
+        return self, self
+
+    def gather_object(self, obj, root=0):
+        return [obj]
 
     # Collectives (overridden by MpiComm). All work in place where the name says so.
     def allreduce_sum(self, buf, tag=""):
@@ -144,8 +212,8 @@ class MpiComm(Comm):
         if self.size == 1:
             recv[...] = send.reshape(recv.shape)
             return recv
-        send_displ = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).astype(np.int64)
-        recv_displ = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).astype(np.int64)
+        send_displ = _displacements(send_counts)
+        recv_displ = _displacements(recv_counts)
         mpi_type = self.MPI._typedict[send.dtype.char]
         self._timed(tag, "alltoall", send.nbytes, lambda: self.comm.Alltoallv(
             [send, (list(send_counts), list(send_displ)), mpi_type],
@@ -181,7 +249,7 @@ class MpiComm(Comm):
             if recv is not None:
                 recv[...] = send.reshape(recv.shape)
             return recv
-        displ = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        displ = _displacements(counts)
         mpi_type = self.MPI._typedict[send.dtype.char]
         target = [recv, (list(counts), list(displ)), mpi_type] if self.rank == root else None
         self._timed(tag, "gather", send.nbytes, lambda: self.comm.Gatherv(send, target, root=root))
@@ -192,6 +260,62 @@ class MpiComm(Comm):
 
     def abort(self, code=1):
         self.comm.Abort(code)
+
+    def iallreduce_sum(self, buf):
+        if self.size == 1 or buf.size == 0:
+            return Done()
+        return _Request(self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM))
+
+    def ireduce_scatter_sum(self, send, recv, counts):
+        if self.size == 1:
+            return super().ireduce_scatter_sum(send, recv, counts)
+        return _Request(self.comm.Ireduce_scatter(send, recv, [int(c) for c in counts],
+                                                  op=self.MPI.SUM))
+
+    def iallgatherv_inplace(self, buf, counts):
+        if self.size == 1:
+            return Done()
+        mpi_type = self.MPI._typedict[buf.dtype.char]
+        spec = [buf, ([int(c) for c in counts], list(_displacements(counts))), mpi_type]
+        return _Request(self.comm.Iallgatherv(self.MPI.IN_PLACE, spec))
+
+    def iallgather(self, send, recv):
+        if self.size == 1:
+            return super().iallgather(send, recv)
+        return _Request(self.comm.Iallgather(send, recv))
+
+    def iallgatherv(self, send, recv, counts):
+        if self.size == 1:
+            return super().iallgatherv(send, recv, counts)
+        mpi_type = self.MPI._typedict[recv.dtype.char]
+        spec = [recv, ([int(c) for c in counts], list(_displacements(counts))), mpi_type]
+        return _Request(self.comm.Iallgatherv(send, spec))
+
+    def dup(self):
+        return MpiComm(self.comm.Dup())
+
+    def split(self, color, key=0):
+        return MpiComm(self.comm.Split(color, key))
+
+    def node_groups(self, ranks_per_node=None):
+        """Nodes are `ranks_per_node` consecutive ranks, or (None) the ranks sharing memory.
+        Every node must hold the same number of ranks."""
+        from caffepar.errors import CaffeparError
+        if ranks_per_node:
+            if self.size % ranks_per_node:
+                raise CaffeparError(f"ranks per node ({ranks_per_node}) must divide the number "
+                                    f"of ranks ({self.size})")
+            node = self.split(self.rank // ranks_per_node, self.rank)
+        else:
+            node = MpiComm(self.comm.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank))
+        sizes = self.comm.allgather(node.size)
+        if len(set(sizes)) != 1:
+            raise CaffeparError(f"hierarchical reduction needs the same number of ranks on "
+                                f"every node, got {sorted(set(sizes))}; use --ranks-per-node")
+        return node, self.split(node.rank, self.rank)
+
+    def gather_object(self, obj, root=0):
+        return [obj] if self.size == 1 else self.comm.gather(obj, root=root)
 
     def start_watchdog(self, timeout):
         if self.size > 1 and self.watchdog is None:

@@ -1,20 +1,25 @@
 """Synchronous SGD over ranks, attached to a solver (layers never see communication).
 
 Every rank builds the same nets with its own data shard (record i belongs to rank i mod P) and
-InnerProduct layers the plan splits by output rows. After backward, the gradients of all
-replicated parameters — one contiguous region of the net's flat diff buffer — are summed with one
-allreduce, and every gradient (replicated or sharded) is divided by P, so the update is the one a
-single process with P times the batch computes. Snapshots gather the shards: the files are the
-ordinary Caffe ones, and load into any number of ranks.
+InnerProduct layers the plan splits by output rows. The gradients of all replicated parameters —
+one contiguous region of the net's flat diff buffer — are summed over the ranks (by default with
+one allreduce after backward; gradsync.py does what the run's CommOptions ask), and every
+gradient (replicated or sharded) is divided by P, so the update is the one a single process with
+P times the batch computes. Snapshots gather the shards: the files are the ordinary Caffe ones,
+and load into any number of ranks.
 """
 import numpy as np
 
 from caffepar import common
+from caffepar.errors import SolverError
 from caffepar.graph.net import Net
 from caffepar.logs import LOGGER
+from caffepar.parallel.gradsync import GradientSync
 from caffepar.parallel.model_parallel import layer_factory
+from caffepar.parallel.options import check_solver, options_from_solver
 from caffepar.parallel.plan import MODEL, Planner
 from caffepar.proto.upgrade import upgrade_solver
+from caffepar.solvers import rules as _rules
 from caffepar.solvers.solver import SOLVERS
 
 
@@ -64,23 +69,28 @@ def gather_rows(comm, layer, local, root=0):
     return full
 
 
-def make_parallel_solver(param, comm, source=None, planner=None):
+def make_parallel_solver(param, comm, source=None, planner=None, options=None, timeline=None):
     """A solver of the type `param` names whose nets are sharded over `comm` and whose updates
-    are synchronised across ranks."""
+    are synchronised across ranks; gradients communicated as `options` (CommOptions; default:
+    the solver's comm_param) say, spans recorded in `timeline` when given."""
     planner = planner or Planner()
+    if options is None:
+        options = options_from_solver(param, source)
     if param.random_seed < 0:
         param.random_seed = int(comm.bcast_object(
             int(np.random.default_rng().integers(2 ** 31)) if comm.rank == 0 else None))
     type_name = upgrade_solver(param, source=source)[0].type
     base = SOLVERS[type_name]
     cls = type(f"Parallel{base.__name__}", (ParallelSolverMixin, base), {})
-    return cls(param, source=source, comm=comm, planner=planner)
+    return cls(param, source=source, comm=comm, planner=planner, options=options,
+               timeline=timeline)
 
 
 class ParallelSolverMixin:
     """Overrides of Solver's hooks for a P-rank run (P = 1 runs unchanged)."""
 
-    def __init__(self, param, source=None, comm=None, planner=None, base_dir=None):
+    def __init__(self, param, source=None, comm=None, planner=None, base_dir=None,
+                 options=None, timeline=None):
         self.comm = comm
         self.planner = planner
         super().__init__(param, source=source, base_dir=base_dir)
@@ -93,6 +103,16 @@ class ParallelSolverMixin:
             _AveragedOutputs(test_net, comm)
         self.writes_files = comm.rank == 0
         self._learnable_layers = self._owner_layers()
+        correction = None
+        if options.momentum_correction:
+            check_solver(options, self.param, source)
+            correction = (self.param.momentum, self._add_decay)
+        self.sync = GradientSync(net, comm, options, timeline=timeline,
+                                 momentum_correction=correction,
+                                 cost_model=getattr(planner, "cost_model", None))
+        if not self.sync.plain:
+            net.observers.append(self.sync)
+        self._passes = 0
         if comm.rank == 0:
             modes = [(l.name, l.mode) for l in net.layers if hasattr(l, "mode")]
             sharded = [name for name, mode in modes if mode == MODEL]
@@ -121,6 +141,8 @@ class ParallelSolverMixin:
 
     # ---- one iteration
     def _forward_backward(self, debug):
+        self._passes += 1
+        self.sync.begin_pass(self.iter, self._passes == self.param.iter_size and not debug)
         loss = super()._forward_backward(debug)
         return average_outputs(self.net, self.comm, loss)
 
@@ -129,8 +151,15 @@ class ParallelSolverMixin:
 
     def on_gradients_ready(self):
         net, comm = self.net, self.comm
+        self._passes = 0
         if comm.size > 1:
-            comm.allreduce_sum(net.param_diff[:net.replicated_count], tag="DATA params")
+            self.sync.finish()
+            if self._row is not None:
+                self._row["grad_bytes"] = self.sync.last_bytes
+            if self._corrected():
+                # The velocity is in the reduced values: the solver's momentum would count it
+                # twice.
+                self.history_data[0][:net.replicated_count] = 0
             net.param_diff *= net.param_diff.dtype.type(1.0 / comm.size)
             self._clip_global()
             display = self.param.display
@@ -148,7 +177,7 @@ class ParallelSolverMixin:
         layers_s = sum(v[0] for (tag, _op), v in stats.items()
                        if tag not in ("DATA params", "outputs"))
         LOGGER.info(f"    comm: {seconds * 1e3:.1f} ms, {mb:.1f} MB since the last display "
-                    f"(gradient allreduce {reduce_s * 1e3:.1f} ms, model-parallel layers "
+                    f"(gradient reduction {reduce_s * 1e3:.1f} ms, model-parallel layers "
                     f"{layers_s * 1e3:.1f} ms)")
 
     def _clip_global(self):
@@ -195,3 +224,61 @@ class ParallelSolverMixin:
         result = super().snapshot()
         self.comm.barrier()
         return result
+
+    # ---- top-k's momentum correction: momentum and weight decay move into the residual
+    def _corrected(self):
+        return self.sync.topk is not None and self.sync.topk.velocity is not None
+
+    def _add_decay(self, values, lo, hi):
+        """Add the update's weight decay of replicated parameters [lo, hi) to `values`
+        (scaled by iter_size, as the solver divides the reduced gradient by it)."""
+        net, p = self.net, self.param
+        f = net.param_data.dtype.type
+        for j, blob in enumerate(net.learnable_params):
+            a, b = max(lo, net.param_offsets[j]), min(hi, net.param_offsets[j] + blob.count)
+            decay = f(p.weight_decay) * f(net.decay_mults[j][0]) * f(p.iter_size)
+            if a < b and b <= net.replicated_count and decay:
+                _rules.regularize(values[a - lo:b - lo], net.param_data[a:b], decay,
+                                  p.regularization_type, np.empty(b - a, values.dtype))
+
+    def local_decay(self, i):
+        if self._corrected() and self.net.param_offsets[i] < self.net.replicated_count:
+            return self.net.param_data.dtype.type(0)
+        return super().local_decay(i)
+
+    # ---- top-k state: every rank's residual and thresholds, in rank order
+    def snapshot_comm_state(self):
+        topk = self.sync.topk
+        if topk is None:
+            return [], []
+        comm = self.comm
+        out = []
+        for local in topk.state():
+            local = np.ascontiguousarray(local, np.float32)
+            full = np.empty(comm.size * local.size, np.float32) if comm.rank == 0 else None
+            comm.gatherv(local, full, [local.size] * comm.size, tag="snapshot")
+            out.append(list(full.reshape(comm.size, -1)) if comm.rank == 0 else [])
+        return out[0], out[1]
+
+    def restore_comm_state(self, state, path):
+        topk = self.sync.topk
+        residuals, thresholds = state.gradient_residual, state.gradient_threshold
+        if topk is None:
+            if residuals:
+                LOGGER.info("The solver state holds top-k gradient residuals; this run does "
+                            "not sparsify, so they are dropped")
+            return
+        if not residuals:
+            return
+        size = topk.residual.size
+        if any(r.size not in (size, 2 * size) for r in residuals):
+            raise SolverError(f"gradient residuals have {residuals[0].size} values, this "
+                              f"net's replicated parameters {size}", path=path)
+        if len(residuals) == self.comm.size:
+            topk.set_state(residuals[self.comm.rank], thresholds[self.comm.rank]
+                           if len(thresholds) == self.comm.size else None)
+            return
+        LOGGER.info(f"The solver state holds top-k residuals of {len(residuals)} ranks; their "
+                    f"sum is shared evenly by this run's {self.comm.size}")
+        total = np.sum(residuals, axis=0, dtype=np.float64) / self.comm.size
+        topk.set_state(total.astype(np.float32), None)

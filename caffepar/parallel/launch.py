@@ -60,9 +60,29 @@ def strip_option(argv, names, takes_value=True):
     return out
 
 
-def relaunch(ranks, argv, threads=None, mpiexec=None):
+#: How MPI is made to talk between ranks on one machine. `tcp` forces the network path on
+#: loopback (every rank as if on its own node), standing for a cluster's network: MPICH's
+#: NOLOCAL with UCX's or libfabric's TCP transport, Open MPI's tcp BTL.
+TRANSPORTS = {
+    "shm": {},
+    "tcp": {"MPIR_CVAR_NOLOCAL": "1", "UCX_TLS": "tcp,self", "FI_PROVIDER": "tcp",
+            "OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "tcp,self"},
+}
+
+
+def transport_environment(name):
+    """Environment variables selecting transport `name` (shm: MPI's own choice)."""
+    from caffepar.errors import CaffeparError
+    if name not in TRANSPORTS:
+        raise CaffeparError(f"unknown transport {name!r}: expected one of "
+                            f"{', '.join(TRANSPORTS)}")
+    return dict(TRANSPORTS[name])
+
+
+def relaunch(ranks, argv, threads=None, mpiexec=None, transport=None):
     """Run `caffepar <argv>` under mpiexec with `ranks` processes; return the exit status
-    a one-process run would have had."""
+    a one-process run would have had. `transport` (default $CAFFEPAR_TRANSPORT, else shm) as
+    in TRANSPORTS."""
     from caffepar.errors import CaffeparError
     exe = find_mpiexec(mpiexec)
     if exe is None:
@@ -74,6 +94,7 @@ def relaunch(ranks, argv, threads=None, mpiexec=None):
         if threads or var not in os.environ:
             env[var] = n
     env["CAFFEPAR_MPI"] = "1"
+    env.update(transport_environment(transport or os.environ.get("CAFFEPAR_TRANSPORT", "shm")))
     folder = tempfile.mkdtemp(prefix="caffepar-job-")
     env[JOB_DIR_VAR] = folder
     env[LAUNCHER_VAR] = str(os.getpid())

@@ -29,7 +29,10 @@ class ParallelInnerProductLayer(InnerProductLayer):
         p = self.param.inner_product_param
         k = int(np.prod(bottom[0].shape[p.axis if p.axis >= 0 else bottom[0].num_axes + p.axis:]))
         params = p.num_output * k + (p.num_output if p.bias_term else 0)
-        self.mode, self.mode_reason = self.planner.decide(self.param, params)
+        axis = p.axis if p.axis >= 0 else bottom[0].num_axes + p.axis
+        self.mode, self.mode_reason = self.planner.decide(
+            self.param, params, fan_in=k, num_output=p.num_output,
+            batch=int(np.prod(bottom[0].shape[:axis])))
         if self.mode == MODEL and p.transpose:
             raise self.error("model parallelism needs transpose: false (weights are split "
                              "by output rows)")

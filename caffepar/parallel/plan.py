@@ -2,8 +2,11 @@
 
 The paper's rule (hybrid): convolutions DATA; an InnerProduct MODEL when it holds more
 parameters than a threshold (the big fully connected layers, where moving activations is cheaper
-than reducing gradients), DATA otherwise. A layer's own `parallel_mode` in the prototxt wins;
-`--model-parallel fc6,fc7` names layers to run MODEL whatever the default.
+than reducing gradients), DATA otherwise. AUTO (`parallel_mode: AUTO`, `--parallel auto`) picks
+per InnerProduct the mode the communication cost model (caffepar.parallel.cost) predicts to take
+less time at this run's P and batch per rank; without a cost model it falls back to the
+threshold rule. A layer's own `parallel_mode` in the prototxt wins; `--model-parallel fc6,fc7`
+names layers to run MODEL whatever the default.
 """
 from dataclasses import dataclass
 
@@ -27,6 +30,7 @@ class LayerPlan:
     reason: str
     fan_in: int = 0
     num_output: int = 0
+    batch: int = 0
 
 
 def comm_elements(fan_in, num_output, batch, ranks):
@@ -46,28 +50,48 @@ def _rule(layer_param, params, threshold):
 
 
 class Planner:
-    """Decides a layer's mode from its prototxt, the --model-parallel list and the run default."""
+    """Decides a layer's mode from its prototxt, the --model-parallel list and the run default;
+    AUTO from `cost_model` at `ranks` ranks."""
 
-    def __init__(self, default="hybrid", model_parallel=(), threshold=DEFAULT_THRESHOLD):
-        if default not in ("data", "hybrid"):
-            raise NetError(f'--parallel must be "data" or "hybrid", got "{default}"')
+    def __init__(self, default="hybrid", model_parallel=(), threshold=DEFAULT_THRESHOLD,
+                 cost_model=None, ranks=1):
+        if default not in ("data", "hybrid", "auto"):
+            raise NetError(f'--parallel must be "data", "hybrid" or "auto", got "{default}"')
         self.default = default
         self.forced = set(model_parallel)
         self.threshold = threshold
+        self.cost_model = cost_model
+        self.ranks = ranks
 
-    def decide(self, layer_param, params):
-        """(mode, reason) for a layer with `params` parameters."""
+    def decide(self, layer_param, params, fan_in=0, num_output=0, batch=0):
+        """(mode, reason) for a layer with `params` parameters (an InnerProduct's K, N and
+        batch per rank M let AUTO predict its communication)."""
         if layer_param.HasField("parallel_mode"):
             asked = _MODES[layer_param.parallel_mode]
             if asked == "AUTO":
-                mode, why = _rule(layer_param, params, self.threshold)
+                mode, why = self._auto(layer_param, params, fan_in, num_output, batch)
                 return mode, f"parallel_mode: AUTO; {why}"
             return asked, f"parallel_mode: {asked} in the prototxt"
         if layer_param.name in self.forced:
             return MODEL, "--model-parallel"
         if self.default == "data":
             return DATA, "--parallel data"
+        if self.default == "auto":
+            mode, why = self._auto(layer_param, params, fan_in, num_output, batch)
+            return mode, f"--parallel auto; {why}"
         return _rule(layer_param, params, self.threshold)
+
+    def _auto(self, layer_param, params, fan_in, num_output, batch):
+        if layer_param.type != "InnerProduct":
+            return DATA, f"{layer_param.type} layers run data parallel"
+        if self.cost_model is None or not (fan_in and num_output and batch):
+            mode, why = _rule(layer_param, params, self.threshold)
+            return mode, f"no calibration or network given, threshold rule: {why}"
+        from caffepar.parallel.cost import choose_mode
+        mode, data, model = choose_mode(self.cost_model, fan_in, num_output, batch, self.ranks)
+        tie = " (a tie goes to DATA)" if data == model else ""
+        return mode, (f"predicted comm DATA {data:.3g} ms, MODEL {model:.3g} ms at P={self.ranks}, "
+                      f"batch {batch} per rank{tie}")
 
     def check(self, layer_param, mode, source_map=None, transpose=False):
         if mode == MODEL and layer_param.type != "InnerProduct":
@@ -84,18 +108,25 @@ def make_plan(net, planner=None, source_map=None):
     if unknown:
         raise NetError(f"--model-parallel names layers not in the net: {', '.join(sorted(unknown))}")
     plans = []
-    for layer in net.layers:
+    for i, layer in enumerate(net.layers):
         params = sum(b.count for b in layer.blobs)
         if not layer.blobs:
             if layer.param.HasField("parallel_mode") and \
                     layer.param.parallel_mode == caffe_pb2.LayerParameter.MODEL:
                 raise _not_shardable(layer.param, source_map)
             continue
-        mode, reason = planner.decide(layer.param, params)
+        shape = {}
+        if layer.type == "InnerProduct":
+            bottom = net.blob_list[net.bottom_ids[i][0]].shape
+            axis = layer.param.inner_product_param.axis
+            axis = axis if axis >= 0 else len(bottom) + axis
+            shape = {"fan_in": layer.k, "num_output": layer.num_output,
+                     "batch": int(np.prod(bottom[:axis]))}
+        mode, reason = planner.decide(layer.param, params, **shape)
         planner.check(layer.param, mode, source_map, getattr(layer, "transpose", False))
         lp = LayerPlan(layer.name, layer.type, params, mode, reason)
         if layer.type == "InnerProduct":
-            lp.fan_in, lp.num_output = layer.k, layer.num_output
+            lp.fan_in, lp.num_output, lp.batch = layer.k, layer.num_output, shape["batch"]
         plans.append(lp)
     return plans
 
@@ -107,12 +138,20 @@ def _not_shardable(layer_param, source_map):
                     line=source_map and source_map.line_of(layer_param.name))
 
 
-def format_plan(plans, ranks, batch=None):
-    """The table `caffepar plan` prints."""
+def format_plan(plans, ranks, batch=None, cost_model=None):
+    """The table `caffepar plan` prints; with a cost model, each InnerProduct's predicted comm
+    time in either mode."""
     lines = [f"{'layer':<14}{'type':<14}{'params':>14}  {'mode':<6} why"]
     for p in plans:
         lines.append(f"{p.name:<14}{p.type:<14}{p.params:>14,}  {p.mode:<6} {p.reason}")
-        if p.type == "InnerProduct" and batch:
+        if p.type == "InnerProduct" and cost_model is not None and p.batch and \
+                "predicted comm" not in p.reason:
+            from caffepar.parallel.cost import choose_mode
+            better, data, model = choose_mode(cost_model, p.fan_in, p.num_output, p.batch, ranks)
+            lines.append(f"{'':<14}{'':<14}{'':>14}  {'':<6} predicted comm per iteration at "
+                         f"batch {p.batch} x {ranks} ranks: DATA {data:.4g} ms, MODEL "
+                         f"{model:.4g} ms ({better} faster)")
+        elif p.type == "InnerProduct" and batch:
             data, model = comm_elements(p.fan_in, p.num_output, batch, ranks)
             better = MODEL if model < data else DATA
             lines.append(f"{'':<14}{'':<14}{'':>14}  {'':<6} per iteration at batch {batch} x "
@@ -132,3 +171,21 @@ def shard_rows(n, ranks):
     counts = np.array([n // ranks + (r < n % ranks) for r in range(ranks)], np.int64)
     offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
     return counts, offsets
+
+
+PLANS = (("DATA", "data"), ("HYBRID", "hybrid"), ("AUTO", "auto"))
+
+
+def compare_plans(net, cost_model, ranks, model_parallel=(), threshold=DEFAULT_THRESHOLD,
+                  source_map=None):
+    """{DATA, HYBRID, AUTO: (LayerPlans, predicted comm ms of one iteration)}: every layer
+    data parallel; the paper's threshold rule; AUTO from `cost_model`."""
+    from caffepar.parallel.cost import iteration_comm_ms
+    out = {}
+    for name, default in PLANS:
+        forced = () if name == "DATA" else model_parallel
+        plans = make_plan(net, Planner(default, forced, threshold, cost_model, ranks),
+                          source_map)
+        out[name] = plans, iteration_comm_ms(plans, {p.name: p.mode for p in plans},
+                                             cost_model, ranks)
+    return out

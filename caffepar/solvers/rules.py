@@ -39,26 +39,39 @@ def normalize(g, iter_size):
         g *= g.dtype.type(1.0 / iter_size)
 
 
+REGULARIZATION = {"L2": 1, "L1": 2}
+"""regularization_type -> its code in the compiled update."""
+
+
+def regularization_code(kind):
+    code = REGULARIZATION.get(kind)
+    if code is None:
+        raise SolverError(f'unknown regularization_type "{kind}" (known: L2, L1)')
+    return code
+
+
 def regularize(g, data, local_decay, kind, scratch):
     """Add weight decay: L2 adds decay * w, L1 adds decay * sign(w)."""
     if not local_decay:
         return
     t = g.dtype.type(local_decay)
-    if kind == "L2":
+    if regularization_code(kind) == 1:
         np.multiply(data, t, out=scratch)
-    elif kind == "L1":
+    else:
         np.sign(data, out=scratch)
         scratch *= t
-    else:
-        raise SolverError(f'unknown regularization_type "{kind}" (known: L2, L1)')
     g += scratch
 
 
 class Rule:
-    """One solver type's ComputeUpdateValue. `num_history` history sets of N blobs each."""
+    """One solver type's ComputeUpdateValue. `num_history` history sets of N blobs each.
+
+    The compiled update (`caffepar.nn.native`, update.inc) repeats each rule's steps in the same
+    order; `code` names the rule there and `kernel_args` gives its constants."""
 
     num_history = 1
     num_scratch = 1
+    code = None
 
     def __init__(self, param):
         self.param = param
@@ -69,11 +82,18 @@ class Rule:
     def update(self, g, hist, local_rate, iter_, scratch):
         raise NotImplementedError
 
+    def kernel_args(self, local_rate, iter_):
+        """(rate, momentum, second, delta) for the compiled update: second is RMSProp's
+        rms_decay or Adam's momentum2, and Adam's rate includes its bias correction."""
+        p = self.param
+        return float(local_rate), p.momentum, p.rms_decay, p.delta
+
 
 class SGD(Rule):
     """h = lr * g + momentum * h; step = h."""
 
     num_scratch = 0
+    code = 0
 
     def update(self, g, hist, local_rate, iter_, scratch):
         h, = hist
@@ -86,6 +106,8 @@ class SGD(Rule):
 
 class Nesterov(Rule):
     """h' = lr * g + momentum * h; step = (1 + momentum) * h' - momentum * h."""
+
+    code = 1
 
     def update(self, g, hist, local_rate, iter_, scratch):
         h, = hist
@@ -103,6 +125,8 @@ class Nesterov(Rule):
 
 class AdaGrad(Rule):
     """h += g^2; step = lr * g / (sqrt(h) + delta)."""
+
+    code = 2
 
     def check(self):
         if self.param.momentum != 0:
@@ -122,6 +146,8 @@ class AdaGrad(Rule):
 
 class RMSProp(Rule):
     """h = (1 - d) * g^2 + d * h; step = lr * g / (sqrt(h) + delta)."""
+
+    code = 3
 
     def check(self):
         if self.param.momentum != 0:
@@ -150,6 +176,7 @@ class AdaDelta(Rule):
 
     num_history = 2
     num_scratch = 2
+    code = 4
 
     def update(self, g, hist, local_rate, iter_, scratch):
         hg, hu = hist
@@ -179,6 +206,18 @@ class Adam(Rule):
     step = lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps), t = iter + 1."""
 
     num_history = 2
+    code = 5
+
+    @staticmethod
+    def correction(b1, b2, iter_):
+        t = iter_ + 1
+        return math.sqrt(1.0 - float(b2) ** t) / (1.0 - float(b1) ** t)
+
+    def kernel_args(self, local_rate, iter_):
+        f = type(local_rate)
+        p = self.param
+        correction = f(self.correction(f(p.momentum), f(p.momentum2), iter_))
+        return float(local_rate * correction), p.momentum, p.momentum2, p.delta
 
     def update(self, g, hist, local_rate, iter_, scratch):
         mh, vh = hist
@@ -186,8 +225,7 @@ class Adam(Rule):
         f = g.dtype.type
         b1 = f(self.param.momentum)
         b2 = f(self.param.momentum2)
-        t = iter_ + 1
-        correction = f(math.sqrt(1.0 - float(b2) ** t) / (1.0 - float(b1) ** t))
+        correction = f(self.correction(b1, b2, iter_))
         np.multiply(g, f(1) - b1, out=s)
         mh *= b1
         mh += s

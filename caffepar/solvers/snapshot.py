@@ -3,7 +3,9 @@
 History blobs are streamed to and from disk without going through Python protobuf (which is
 far too slow for VGG-sized histories). caffepar adds resume fields that Caffe skips when it
 reads our files: `data_position` / `rng_state` (fields 1000/1001) in the binary form, and
-`data_position` / `rng_state` datasets in the HDF5 form.
+`data_position` / `rng_state` datasets in the HDF5 form, and, for a run with top-k gradient
+sparsification, every rank's gradient residual and thresholds (`gradient_residual` /
+`gradient_threshold`, fields 1002/1003 or HDF5 groups of those names, one blob per rank).
 """
 import json
 import os
@@ -22,6 +24,10 @@ from caffepar.io.weights import (BLOB_DATA, BLOB_SHAPE, SHAPE_DIM, _Truncated, _
 from caffepar.proto import caffe_pb2
 
 STATE_HISTORY = 3
+STATE_RESIDUAL = 1002
+STATE_THRESHOLD = 1003
+_STREAMED = (STATE_HISTORY, STATE_RESIDUAL, STATE_THRESHOLD)
+"""Repeated BlobProto fields written and read without going through protobuf."""
 
 
 @dataclass
@@ -34,6 +40,8 @@ class SolverStateData:
     history: list = field(default_factory=list)
     data_position: list = field(default_factory=list)
     rng_state: bytes = None
+    gradient_residual: list = field(default_factory=list)
+    gradient_threshold: list = field(default_factory=list)
 
     def resume_state(self):
         """Our JSON resume record ({"rng": ..., "data": {...}}), or None for a Caffe snapshot."""
@@ -63,8 +71,8 @@ def encode_resume_state(rng_state, data_states, test_states=()):
 
 # ------------------------------------------------------------------------------- binary
 def write_binary(path, state):
-    """Write a SolverState in Caffe's field order (iter, learned_net, history, current_step),
-    then our extension fields, atomically."""
+    """Write a SolverState atomically: iter, learned_net, history as Caffe orders them, then
+    top-k's state, then current_step and our resume fields."""
     head = caffe_pb2.SolverState()
     head.iter = int(state.iter)
     if state.learned_net is not None:
@@ -77,14 +85,20 @@ def write_binary(path, state):
     if state.rng_state is not None:
         tail.rng_state = state.rng_state
 
-    def write(f):
-        f.write(head.SerializeToString())
-        for h in state.history:
+    def write_blobs(f, number, arrays):
+        for h in arrays:
             pieces = _blob_chunks(np.asarray(h))
-            f.write(_key(STATE_HISTORY, 2) + _encode_varint(sum(len(p) for p in pieces)))
+            f.write(_key(number, 2) + _encode_varint(sum(len(p) for p in pieces)))
             for p in pieces:
                 f.write(p)
-        f.write(tail.SerializeToString())
+
+    def write(f):
+        f.write(head.SerializeToString())
+        write_blobs(f, STATE_HISTORY, state.history)
+        write_blobs(f, STATE_RESIDUAL, state.gradient_residual)
+        write_blobs(f, STATE_THRESHOLD, state.gradient_threshold)
+        f.write(tail.SerializeToString())       # the resume record last: its presence says
+                                                # everything before it was written
 
     atomic_write(path, write)
 
@@ -93,12 +107,12 @@ def read_binary(path):
     with open(path, "rb") as f:
         buf = f.read()
     rest = bytearray()
-    history = []
+    blobs = {number: [] for number in _STREAMED}
     msg = caffe_pb2.SolverState()
     try:
         for number, wire, _value, s, e, fstart in _fields(buf, 0, len(buf)):
-            if number == STATE_HISTORY and wire == 2:
-                history.append(decode_blob(buf, s, e))
+            if number in blobs and wire == 2:
+                blobs[number].append(decode_blob(buf, s, e))
             else:
                 rest += buf[fstart:e]
         msg.ParseFromString(bytes(rest))
@@ -106,14 +120,17 @@ def read_binary(path):
         raise SolverError("cannot decode as a binary SolverState (truncated or not a "
                           "solverstate)", path=path) from None
     if msg.HasField("history_count"):
-        _check_complete(path, msg.history_count, len(history), msg.HasField("rng_state"))
+        _check_complete(path, msg.history_count, len(blobs[STATE_HISTORY]),
+                        msg.HasField("rng_state"))
     return SolverStateData(
         iter=msg.iter,
         learned_net=msg.learned_net if msg.HasField("learned_net") else None,
         current_step=msg.current_step,
-        history=history,
+        history=blobs[STATE_HISTORY],
         data_position=list(msg.data_position),
-        rng_state=msg.rng_state if msg.HasField("rng_state") else None)
+        rng_state=msg.rng_state if msg.HasField("rng_state") else None,
+        gradient_residual=[values for values, _shape, _legacy in blobs[STATE_RESIDUAL]],
+        gradient_threshold=[values for values, _shape, _legacy in blobs[STATE_THRESHOLD]])
 
 
 def _check_complete(path, expected, found, has_resume_record):
@@ -168,6 +185,12 @@ def write_hdf5(path, state):
             if state.rng_state is not None:
                 f.create_dataset("history_count", data=np.array([len(state.history)], np.int32))
                 _write_h5_string(f, "rng_state", state.rng_state.decode("utf-8"))
+            for name in ("gradient_residual", "gradient_threshold"):
+                arrays = getattr(state, name)
+                if arrays:
+                    g = f.create_group(name)
+                    for i, a in enumerate(arrays):
+                        g.create_dataset(str(i), data=np.asarray(a, np.float32))
 
     atomic_write(path, write, binary=False)
 
@@ -194,6 +217,11 @@ def read_hdf5(path):
                 out.data_position = [int(v) for v in np.asarray(f["data_position"]).reshape(-1)]
             if "rng_state" in f:
                 out.rng_state = _read_h5_string(f["rng_state"]).encode("utf-8")
+            for name in ("gradient_residual", "gradient_threshold"):
+                if name in f:
+                    group = f[name]
+                    setattr(out, name, [np.asarray(group[str(i)]).reshape(-1)
+                                        for i in range(len(group))])
             if "history_count" in f:
                 _check_complete(path, int(np.asarray(f["history_count"]).reshape(-1)[0]),
                                 len(out.history), out.rng_state is not None)

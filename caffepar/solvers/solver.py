@@ -11,8 +11,9 @@ from google.protobuf import text_format
 
 from caffepar import common
 from caffepar.errors import SolverError
-from caffepar.graph.net import TEST, TRAIN
+from caffepar.graph.net import TEST, TRAIN, Net
 from caffepar.io.weights import save_caffemodel, save_caffemodel_hdf5
+from caffepar.nn import native
 from caffepar.nn.blas import run_parts, scratch, split_parts
 from caffepar.proto import caffe_pb2
 from caffepar.proto.text import read_net_text, read_solver_text
@@ -193,7 +194,6 @@ class Solver:
 
     # ------------------------------------------------------------------ nets
     def _make_net(self, source, phase, level, stages):
-        from caffepar.pycaffe import Net
         return Net(source, phase=phase, level=level, stages=stages)
 
     def _net_source(self, value):
@@ -557,6 +557,11 @@ class Solver:
         chunks = [(i, start, min(start + CHUNK, blob.count))
                   for i, blob in enumerate(params) for start in range(0, blob.count, CHUNK)]
         n_work = max(1, self.rule.num_scratch)
+        kernels = native.kernels(net.param_data.dtype)
+        if kernels is not None:
+            self._apply_update_compiled(kernels, params, chunks, rate)
+            self.iter += 1
+            return
 
         def run(chunks):
             work = [scratch(f"update{k}", (CHUNK,), net.param_data.dtype) for k in range(n_work)]
@@ -568,13 +573,38 @@ class Solver:
                 hist = [self.history[s * n_params + i].reshape(-1)[start:stop]
                         for s in range(n_sets)]
                 _rules.normalize(g, p.iter_size)
-                _rules.regularize(g, w, f(p.weight_decay) * f(net.decay_mults[i][0]),
-                                  p.regularization_type, work_chunk[0])
+                _rules.regularize(g, w, self.local_decay(i), p.regularization_type,
+                                  work_chunk[0])
                 self.rule.update(g, hist, f(rate) * f(net.lr_mults[i][0]), self.iter, work_chunk)
                 w -= g      # Net::Update, while the chunk is in cache
 
         run_parts(run, split_parts(chunks))
         self.iter += 1
+
+    def _apply_update_compiled(self, kernels, params, chunks, rate):
+        """The same per chunk, each chunk one pass of the compiled update (bit for bit the
+        NumPy steps')."""
+        p, net = self.param, self.net
+        f = net.param_data.dtype.type
+        n_params = len(params)
+        calls = []
+        for i, blob in enumerate(params):
+            decay = self.local_decay(i)
+            kind = _rules.regularization_code(p.regularization_type) if decay else 0
+            args = self.rule.kernel_args(f(rate) * f(net.lr_mults[i][0]), self.iter)
+            arrays = [blob.diff, blob.data] + [self.history[s * n_params + i]
+                                               for s in range(self.rule.num_history)]
+            calls.append(([native.ptr(a) for a in arrays], arrays[0].itemsize,
+                          (float(decay), kind) + args))
+
+        def run(chunks):
+            for i, start, stop in chunks:
+                ptrs, size, args = calls[i]
+                at = [q + start * size for q in ptrs] + [0] * (4 - len(ptrs))
+                kernels.solver_update(*at, stop - start, self.rule.code, 1.0 / p.iter_size,
+                                      *args)
+
+        run_parts(run, split_parts(chunks))
 
     # ------------------------------------------------------------------ snapshots
     def snapshot_filename(self, extension):
@@ -602,6 +632,11 @@ class Solver:
         self.last_snapshot_iter = self.iter
         return model, state
 
+    def local_decay(self, i):
+        """Weight decay of learnable parameter i in the update."""
+        f = self.net.param_data.dtype.type
+        return f(self.param.weight_decay) * f(self.net.decay_mults[i][0])
+
     # Hooks a model-parallel run overrides: whole-size arrays for files, this rank's part back.
     writes_files = True
 
@@ -611,6 +646,14 @@ class Solver:
 
     def snapshot_history(self):
         return self.history
+
+    def snapshot_comm_state(self):
+        """Every rank's gradient residual and thresholds (top-k sparsification), for the
+        state file: ([], []) when there are none."""
+        return [], []
+
+    def restore_comm_state(self, state, path):
+        """Take this rank's residual and thresholds back from a read solver state."""
 
     def history_part(self, index, values):
         """This process's part of history blob `index` read from a solver state."""
@@ -636,10 +679,12 @@ class Solver:
 
     def snapshot_solver_state(self, model_filename):
         record, positions = self._resume_record()
+        residual, threshold = self.snapshot_comm_state()
         state = _snap.SolverStateData(iter=self.iter, learned_net=model_filename,
                                       current_step=self.current_step,
                                       history=self.snapshot_history(),
-                                      data_position=positions, rng_state=record)
+                                      data_position=positions, rng_state=record,
+                                      gradient_residual=residual, gradient_threshold=threshold)
         if self.param.snapshot_format == HDF5:
             path = self.snapshot_filename(".solverstate.h5")
             log.info("Snapshotting solver state to HDF5 file %s", path)
@@ -688,6 +733,7 @@ class Solver:
             data_states = self._initial_data_states
         for net, states in zip([self.net] + self.test_nets, data_states):
             _set_data_states(net, states)
+        self.restore_comm_state(state, path)
         for net in self.test_nets:
             net.share_with(self.net)
         return state

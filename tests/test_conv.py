@@ -1,11 +1,15 @@
-"""Convolution math against naive references and adjoint identities."""
+"""The convolution engines against naive references and adjoint identities."""
 
 import itertools
 
 import numpy as np
 import pytest
 
-from caffepar.nn import conv_math as cm
+from caffepar.nn import conv as cm
+from caffepar.nn.blas import blas_threads
+from caffepar.nn.conv import band, cols, direct, geometry, grid, winograd
+
+pytestmark = pytest.mark.usefixtures("kernel_path")
 
 
 # ---------------------------------------------------------------- references
@@ -233,11 +237,11 @@ def test_need_flags():
 @pytest.mark.parametrize("direct", [1, 1 << 30])
 def test_small_workspace_and_blocks(cs, direct, monkeypatch):
     """Chunking over images, rows and grid columns must not change results."""
-    monkeypatch.setattr(cm, "WORKSPACE_BYTES", 1)
-    monkeypatch.setattr(cm, "BLOCK_BYTES", 1)
-    monkeypatch.setattr(cm, "BLOCK_MIN_COLS", 7)
-    monkeypatch.setattr(cm, "COLS_BYTES", 1 if direct == 1 else 1 << 30)
-    monkeypatch.setattr(cm, "COLS_DIRECT_MIN", direct)
+    monkeypatch.setattr(geometry, "WORKSPACE_BYTES", 1)
+    monkeypatch.setattr(grid, "BLOCK_BYTES", 1)
+    monkeypatch.setattr(grid, "BLOCK_MIN_COLS", 7)
+    monkeypatch.setattr(cols, "COLS_BYTES", 1 if direct == 1 else 1 << 30)
+    monkeypatch.setattr(cols, "COLS_DIRECT_MIN", direct)
     x, w, b, dy = make(cs)
     args = cs[5:]
     close(cm.conv_forward(x, w, b, *args), ref_conv(x, w, b, *args), 1e-10)
@@ -252,13 +256,13 @@ def test_im2col_row_blocks_over_image_batches(cs, workers, monkeypatch):
     thread or split over two."""
     cs = (2 * workers,) + cs[1:]
     n, c, sp, o, k, stride, pad, dil, group = cs
-    g = cm._Geom(sp, k, stride, pad, dil)
+    g = geometry.Geom(sp, k, stride, pad, dil)
     rest = int(np.prod(g.out[1:]))
-    monkeypatch.setattr(cm, "blas_threads", lambda: workers)
-    monkeypatch.setattr(cm, "COLS_BYTES",
+    monkeypatch.setattr(cols, "blas_threads", lambda: workers)
+    monkeypatch.setattr(cols, "COLS_BYTES",
                         2 * rest * (g.ntaps * c // group + 1) * group * 8 * workers)
-    monkeypatch.setattr(cm, "COLS_SHORT_ROW", 1 << 30)
-    plan = cm._ColsPlan(g, n, c, o, group, 8, workers)
+    monkeypatch.setattr(cols, "COLS_SHORT_ROW", 1 << 30)
+    plan = cols._ColsPlan(g, n, c, o, group, 8, workers)
     assert plan.nb == 2 and plan.rows < g.out[0] and plan.batch_last
     assert len(plan.chunks(n)) == workers
     x, w, b, dy = make(cs)
@@ -280,11 +284,11 @@ DECONV_CASES = [
 
 @pytest.mark.parametrize("cs", DECONV_CASES, ids=ids)
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-4)])
-@pytest.mark.parametrize("winograd", [False, True])
-def test_deconv(cs, dtype, tol, winograd, monkeypatch):
-    if winograd:
-        monkeypatch.setattr(cm, "WINOGRAD_MIN_CHANNELS", 1)
-        monkeypatch.setattr(cm, "WINOGRAD_MAX_WASTE", 1.0)
+@pytest.mark.parametrize("wide_winograd", [False, True])
+def test_deconv(cs, dtype, tol, wide_winograd, monkeypatch):
+    if wide_winograd:
+        monkeypatch.setattr(winograd, "WINOGRAD_MIN_CHANNELS", 1)
+        monkeypatch.setattr(winograd, "WINOGRAD_MAX_WASTE", 1.0)
     n, cin, sp, cout, k, stride, pad, dil, group = cs
     rng = np.random.default_rng(3)
     x = rng.standard_normal((n, cin) + sp)
@@ -370,20 +374,20 @@ BAND_CASES = [
 def test_band_folds_and_blocks(cs, fold_all, blocks, workers, monkeypatch):
     """Full and per-column-tap folding, image batches and row bands with halo, the blocks run
     on one thread or split over three."""
-    monkeypatch.setattr(cm, "BAND_FOLD_ALL", 1 << 30 if fold_all else 1)
-    monkeypatch.setattr(cm, "FLIP_MIN_CHANNELS", 1)
-    monkeypatch.setattr(cm, "blas_threads", lambda: workers)
+    monkeypatch.setattr(band, "BAND_FOLD_ALL", 1 << 30 if fold_all else 1)
+    monkeypatch.setattr(cols, "FLIP_MIN_CHANNELS", 1)
+    monkeypatch.setattr(band, "blas_threads", lambda: workers)
     x, w, b, dy = make(cs)
     n = x.shape[0]
     args = cs[5:]
-    g = cm._Geom(x.shape[2:], w.shape[2:], *args[:3])
-    assert cm._use_band(g, args[3]) and cm._use_cols(g, w.shape[1], w.shape[0], args[3])
-    plan = cm._BandPlan(g, n, x.shape[1], 8)
+    g = geometry.Geom(x.shape[2:], w.shape[2:], *args[:3])
+    assert band.usable(g, args[3]) and cols.usable(g, w.shape[1], w.shape[0], args[3])
+    plan = band._BandPlan(g, n, x.shape[1], 8)
     row = (plan.k + (plan.depth if fold_all else 0)) * plan.wo * 8
     budget = {"one row": 1, "row bands": (2 + plan.halo) * row,
               "image batches": 2 * (g.out[0] + plan.halo) * row, "whole": 1 << 30}[blocks]
-    monkeypatch.setattr(cm, "BAND_BYTES", budget * workers)
-    plan = cm._BandPlan(g, n, x.shape[1], 8, workers)
+    monkeypatch.setattr(band, "BAND_BYTES", budget * workers)
+    plan = band._BandPlan(g, n, x.shape[1], 8, workers)
     assert plan.fold_all == fold_all
     nb, rows = {"one row": (1, 1), "row bands": (1, 2), "image batches": (2, g.out[0]),
                 "whole": (n, g.out[0])}[blocks]
@@ -401,12 +405,12 @@ def test_band_folds_and_blocks(cs, fold_all, blocks, workers, monkeypatch):
 def test_many_threads_keep_blocks_large():
     """On many cores the buffer bounds are split in at most MAX_SHARES shares, so blocks stay
     as large as with MAX_SHARES threads instead of shrinking to slivers."""
-    g = cm._Geom((32, 32), (5, 5), (1, 1), (2, 2), (1, 1))
-    shares = cm.MAX_SHARES
-    assert (cm._BandPlan(g, 100, 3, 4, 64).nb, cm._BandPlan(g, 100, 3, 4, 64).rows) == \
-        (cm._BandPlan(g, 100, 3, 4, shares).nb, 32)
-    g = cm._Geom((56, 56), (3, 3), (1, 1), (1, 1), (1, 1))
-    assert cm._ColsPlan(g, 64, 3, 16, 1, 4, 64).nb == cm._ColsPlan(g, 64, 3, 16, 1, 4, shares).nb
+    g = geometry.Geom((32, 32), (5, 5), (1, 1), (2, 2), (1, 1))
+    shares = geometry.MAX_SHARES
+    assert (band._BandPlan(g, 100, 3, 4, 64).nb, band._BandPlan(g, 100, 3, 4, 64).rows) == \
+        (band._BandPlan(g, 100, 3, 4, shares).nb, 32)
+    g = geometry.Geom((56, 56), (3, 3), (1, 1), (1, 1), (1, 1))
+    assert cols._ColsPlan(g, 64, 3, 16, 1, 4, 64).nb == cols._ColsPlan(g, 64, 3, 16, 1, 4, shares).nb
 
 
 @pytest.mark.parametrize("cs", [CASES[i] for i in (1, 4, 15, 19, 29)], ids=ids)
@@ -463,6 +467,8 @@ WINOGRAD_CASES = [
     case(1, 2, (3, 3), 2, 3, 1, 2),
     case(3, 4, (1, 4), 4, 3, 1, 1),
     case(2, 6, (9, 9), 3, 3, 1, (1, 0)),
+    case(1, 2, (5, 70), 3, 3, 1, 1),               # rows of 35 tiles: whole vectors of them
+    case(1, 2, (6, 37), 3, 3, 1, (0, 2)),
 ]
 
 
@@ -471,14 +477,14 @@ WINOGRAD_CASES = [
 def test_winograd(cs, chunked, monkeypatch):
     """F(2x2, 3x3) tiles, odd output sizes (a half-empty last tile), pads 0..2 per axis, groups,
     and one image per workspace chunk: equal to the direct convolution."""
-    monkeypatch.setattr(cm, "WINOGRAD_MIN_CHANNELS", 1)
-    monkeypatch.setattr(cm, "WINOGRAD_MAX_WASTE", 1.0)
+    monkeypatch.setattr(winograd, "WINOGRAD_MIN_CHANNELS", 1)
+    monkeypatch.setattr(winograd, "WINOGRAD_MAX_WASTE", 1.0)
     if chunked:
-        monkeypatch.setattr(cm, "WORKSPACE_BYTES", 1)
+        monkeypatch.setattr(geometry, "WORKSPACE_BYTES", 1)
     x, w, b, dy = make(cs)
     args = cs[5:]
-    g = cm._Geom(x.shape[2:], w.shape[2:], *args[:3])
-    assert cm._use_winograd(g, w.shape[1], w.shape[0] // args[3])
+    g = geometry.Geom(x.shape[2:], w.shape[2:], *args[:3])
+    assert winograd.usable(g, w.shape[1], w.shape[0] // args[3])
     close(cm.conv_forward(x, w, b, *args), ref_conv(x, w, b, *args), 1e-12)
     for got, want in zip(cm.conv_backward(dy, x, w, *args), ref_conv_grads(dy, x, w, *args)):
         close(got, want, 1e-12)
@@ -491,8 +497,8 @@ def test_winograd(cs, chunked, monkeypatch):
 
 def test_winograd_only_for_wide_3x3_stride_1():
     def use(sp, k, stride, pad, dil, cg, og):
-        return cm._use_winograd(cm._Geom(sp, k, stride, pad, dil), cg, og)
-    wide = cm.WINOGRAD_MIN_CHANNELS
+        return winograd.usable(geometry.Geom(sp, k, stride, pad, dil), cg, og)
+    wide = winograd.WINOGRAD_MIN_CHANNELS
     assert use((28, 28), 3, 1, 1, 1, wide, wide)
     assert not use((28, 28), 3, 1, 1, 1, wide - 1, wide)
     assert not use((28, 28), 3, 2, 1, 1, wide, wide)
@@ -502,3 +508,83 @@ def test_winograd_only_for_wide_3x3_stride_1():
     assert not use((8, 8, 8), 3, 1, 1, 1, wide, wide)
     assert not use((13, 13), 3, 1, 1, 1, wide, wide)   # 14x14 of tiles: 16% more
     assert use((27, 28), 3, 1, 1, 1, wide, wide)       # 28x28: 4% more
+
+
+def test_engine_measured_once_and_cached(tmp_path, monkeypatch, kernel_path):
+    """With CAFFEPAR_CONV_ENGINES=measure the first run of a shape times every engine able to
+    run it and keeps the fastest in the cache; later lookups, in this process or another, read
+    it. An engine's name forces it where it applies; "rules" takes the fixed thresholds."""
+    from caffepar.nn import calibrate
+    from caffepar.nn.conv import dispatch
+    monkeypatch.setenv("CAFFEPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "measure")
+    monkeypatch.setattr(calibrate, "_chosen", {})
+    timed = []
+    fake = {"direct": 5.0, "winograd": 4.0, "band": 3.0, "im2col": 1.0, "grid": 2.0}
+
+    def timing(run, engine):
+        run(engine)
+        timed.append(engine)
+        return fake[engine]
+
+    monkeypatch.setattr(calibrate, "_timed", timing)
+    shape = ((9, 9), (4, 3, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+    g = geometry.Geom(*shape[0:1], shape[1][2:], *shape[2:5])
+    able = dispatch.candidates(g, 3, 1, np.dtype(np.float32))
+    assert able == ["direct"] * (kernel_path == "native") + ["winograd", "band", "im2col", "grid"]
+    assert cm.conv_engine(*shape, batch=2) == "im2col"
+    # Every engine once, then the rounds on those within 2x of the best (im2col alone).
+    per_shape = len(able) + calibrate.ROUNDS
+    assert sorted(set(timed)) == sorted(able) and len(timed) == per_shape
+    assert timed[len(able):] == ["im2col"] * calibrate.ROUNDS
+    assert cm.conv_engine(*shape, batch=2) == "im2col" and len(timed) == per_shape
+    monkeypatch.setattr(calibrate, "_chosen", {})         # another process: reads the file
+    assert cm.conv_engine(*shape, batch=2) == "im2col" and len(timed) == per_shape
+    (entry,) = calibrate._load(calibrate._cache_file()).items()
+    assert entry[0].startswith("2x3x9x9 4 k3x3 s1x1 p1x1 d1x1 g1 float32") and entry[1] == "im2col"
+    assert cm.conv_engine(*shape, batch=3) == "im2col" and len(timed) == 2 * per_shape
+    assert cm.conv_engine(*shape, batch=3, need_dx=False) == "im2col"    # a first layer
+    assert len(timed) == 3 * per_shape
+    assert any(k.endswith(" no dx t" + str(blas_threads())) for k in
+               calibrate._load(calibrate._cache_file()))
+    monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "grid")
+    assert cm.conv_engine(*shape, batch=2) == "grid"
+    monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "pointwise")      # cannot run 3x3: the rule
+    assert cm.conv_engine(*shape, batch=2) == dispatch.rule_engine(g, 3, 4, 1) == "band"
+    x, w, b, dy = make(case(2, 3, (9, 9), 4, 3, 1, 1))
+    for engine in ("winograd", "band", "im2col", "grid"):
+        monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", engine)
+        close(cm.conv_forward(x, w, b, (1, 1), (1, 1), (1, 1), 1),
+              ref_conv(x, w, b, (1, 1), (1, 1), (1, 1), 1), 1e-10)
+
+
+DIRECT_CASES = [cs for cs in CASES if len(cs[2]) == 2] + [
+    case(17, 5, (6, 7), 10, 3, 1, 1),              # a second, partly filled lane block
+    case(3, 8, (5, 9), 12, (3, 5), 1, (1, 2), (2, 1), 2),
+]
+
+
+@pytest.mark.parametrize("cs", DIRECT_CASES, ids=ids)
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-4)])
+@pytest.mark.parametrize("by_images", [True, False])
+def test_direct_engine(cs, dtype, tol, by_images, kernel_path, monkeypatch):
+    """The compiled direct engine for every 2-D case it takes (strided ones too): forward, dx,
+    dw, db, and deconvolution through it; each run of images doing all its steps, or each step
+    over the whole batch."""
+    monkeypatch.setattr(direct, "_by_images", lambda n: by_images)
+    x, w, b, dy = make(cs)
+    args = cs[5:]
+    g = geometry.Geom(x.shape[2:], w.shape[2:], *args[:3])
+    if not direct.applicable(g, np.dtype(dtype)):
+        pytest.skip("not a shape (or kernel path) the direct engine takes")
+    monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "direct")
+    monkeypatch.setattr(direct, "PARTS_PER_THREAD", 3)
+    xx, ww, bb, dd = (a.astype(dtype) for a in (x, w, b, dy))
+    close(cm.conv_forward(xx, ww, bb, *args), ref_conv(x, w, b, *args), tol)
+    for got, want in zip(cm.conv_backward(dd, xx, ww, *args), ref_conv_grads(dy, x, w, *args)):
+        close(got, want, tol)
+    dx, dw, _ = cm.conv_backward(dd, xx, ww, *args, need_dw=False, need_db=False)
+    assert dw is None
+    close(dx, ref_conv_grads(dy, x, w, *args)[0], tol)
+    yd = cm.deconv_forward(dd, ww, None, *args)
+    close(yd, ref_deconv(dy, w, None, *args), tol)

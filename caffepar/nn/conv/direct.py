@@ -1,0 +1,232 @@
+"""The direct engine: compiled multiply-add kernels, no im2col and no GEMM
+(caffepar/nn/native/conv.inc).
+
+Output channels go in the vector lanes: the result is built in a "lanes" layout (N, Ho, Wo, CP),
+each pixel's channels contiguous (padded to CP, a multiple of the 64-byte vector), by tiles of
+8 output pixels x 32 output channels held in registers while every input channel and tap adds
+one broadcast input value times a vector of weights. The input is read zero-padded in place of
+NCHW. The kernels are built for the host's instruction set (AVX-512 where there is one), which a
+BLAS tuned for another CPU may not use, so this engine does not depend on how well the BLAS knows
+the CPU; it does best on thin layers, where GEMMs are short.
+
+dw uses the same layouts (a tile of taps x channel vectors summed over images and pixels); dx
+is the forward kernel on dy, padded for the flipped kernel (for a strided layer, spread over the
+stride grid first: a cost that grows with the stride, which the engine measurement weighs), with
+flipped weights. Work is cut in parts (runs of images x output
+rows, or x input channels for dw) run side by side with ``run_parts``; each run of images sums
+its own dw, and the runs' sums are added in order (``geometry.SUM_PARTS`` runs at most).
+"""
+import numpy as np
+
+from caffepar.nn import native
+from caffepar.nn.blas import blas_threads, run_parts, scratch, split_parts
+from caffepar.nn.conv import geometry
+from caffepar.nn.conv.geometry import flipped_weights
+
+#: Parts per thread the work is cut in (a thread slowed by other load takes fewer).
+PARTS_PER_THREAD = 4
+
+
+def applicable(g, dtype):
+    return (g.nd == 2 and _dx_pad(g) is not None and native.kernels(dtype) is not None)
+
+
+def _dx_pad(g):
+    """The padding of dy (for a strided layer: of dy spread over the stride grid) that makes
+    dx a stride-1 convolution with the flipped kernel, or None when the layer is over-padded."""
+    pads = tuple(d * (k - 1) - p for k, d, p in zip(g.kernel, g.dilation, g.pad))
+    return pads if min(pads) >= 0 else None
+
+
+def _lanes(channels, dt):
+    vl = 64 // dt.itemsize
+    return -(-channels // vl) * vl
+
+
+def _parts(n, items, most=None):
+    """(first image, images, first item, end item) cutting n images x `items` (rows or
+    channels) in about PARTS_PER_THREAD parts per thread (`most` image runs at most)."""
+    want = PARTS_PER_THREAD * blas_threads()
+    runs = max(1, min(n, want if most is None else min(want, most)))
+    pieces = max(1, min(items, -(-want // runs)))
+    return [(r[0], len(r), i[0], i[-1] + 1) for r in split_parts(range(n), runs)
+            for i in split_parts(range(items), pieces)]
+
+
+def _run(fn, parts):
+    run_parts(lambda chunk: [fn(*p) for p in chunk], split_parts(parts))
+
+
+def _by_images(n):
+    """Whether a pass runs as one part per run of images doing all its steps (copies and
+    kernels, in cache), rather than step by step over the whole batch: when there are images
+    enough for every thread to take two runs or more."""
+    return n >= 2 * blas_threads()
+
+
+class _Layout:
+    """The kernels of one dtype and the copies between NCHW, padded NCHW and lanes layouts,
+    each over a run of images (i, m: the first and how many) of whole-batch arrays."""
+
+    def __init__(self, dt):
+        self.k = native.kernels(dt)
+        self.dt = dt
+        self.isz = dt.itemsize
+
+    def image(self, a, i):
+        """Address of image i of a (N, ...) C-contiguous array."""
+        return native.ptr(a) + i * a.strides[0]
+
+    def pad(self, out, a, i, m, first, channels, pad):
+        """out[i:i + m] (N, channels, Hp, Wp) = channels first .. of a (N, C, H, W),
+        zero-padded."""
+        _, c_all, h, w = a.shape
+        self.k.conv_pad(self.image(a, i), self.image(out, i), m, c_all, first, channels, h, w,
+                        *pad)
+
+    def to_lanes(self, out, a, i, m, first, channels):
+        """out[i:i + m] (N, H, W, CP) = channels first .. of a (N, C, H, W)."""
+        _, c_all, h, w = a.shape
+        self.k.conv_to_lanes(self.image(a, i), self.image(out, i), m, c_all, first, channels,
+                             h * w, out.shape[-1])
+
+    def from_lanes(self, lanes, out, i, m, first, channels, bias):
+        """out[i:i + m, first:first + channels] (N, C, H, W) = lanes (N, H, W, CP) + bias."""
+        _, c_all, h, w = out.shape
+        self.k.conv_from_lanes(self.image(lanes, i), self.image(out, i),
+                               None if bias is None else native.ptr(bias), m, c_all, first,
+                               channels, h * w, lanes.shape[-1])
+
+    def convolve(self, out, xp, wt, i, m, g, r0, r1):
+        """Rows r0 .. r1 of out[i:i + m] (N, Ho, Wo, CP) = the forward kernel over padded
+        x (N, C, Hp, Wp) and weights from `weights`."""
+        _, c, hp, wp = xp.shape
+        _, ho, wo, cp = out.shape
+        self.k.conv_direct_forward(self.image(xp, i), native.ptr(wt), self.image(out, i), m, c,
+                                   hp, wp, cp, *g.kernel, ho, wo, *g.stride, *g.dilation,
+                                   r0, r1)
+
+    def weight_gradient(self, out, xp, dyl, i, m, g, c0, c1):
+        """out (C, KH, KW, CP) += input channels c0 .. c1 of the weight gradient of images
+        i .. i + m."""
+        _, c, hp, wp = xp.shape
+        _, ho, wo, cp = dyl.shape
+        self.k.conv_direct_dw(self.image(xp, i), self.image(dyl, i), native.ptr(out), m, c, hp,
+                              wp, cp, *g.kernel, ho, wo, *g.stride, *g.dilation, c0, c1)
+
+    def weights(self, w):
+        """(O, C, KH, KW) -> (OP / B, C, KH, KW, B): blocks of B = 2 vectors of output channels
+        (the forward kernel's register tile), zero-padded."""
+        o = w.shape[0]
+        block = 2 * (64 // self.isz)
+        wt = np.zeros((-(-o // block) * block,) + w.shape[1:], self.dt)
+        wt[:o] = w
+        return np.ascontiguousarray(
+            wt.reshape((-1, block) + w.shape[1:]).transpose(0, 2, 3, 4, 1))
+
+
+def _buffers(shapes, dt, n=None):
+    """Work arrays by role: the calling thread's (whole batch), or with n a run's (n images)."""
+    return {key: scratch("direct_" + key, ((n or shape[0]),) + shape[1:], dt)
+            for key, shape in shapes.items()}
+
+
+def forward(g, x, w, bias, y, group, dt):
+    lay = _Layout(dt)
+    n = x.shape[0]
+    o, cg = w.shape[:2]
+    og = o // group
+    hp, wp = (i + 2 * p for i, p in zip(g.in_sp, g.pad))
+    shapes = {"x": (n, cg, hp, wp), "y": (n,) + g.out + (_lanes(og, dt),)}
+    for gi in range(group):
+        wt = lay.weights(w[gi * og:(gi + 1) * og])
+        b = None if bias is None else np.ascontiguousarray(bias[gi * og:(gi + 1) * og])
+        if _by_images(n):
+            def run(i, m, _r0, _r1):
+                buf = _buffers(shapes, dt, m)
+                lay.pad(buf["x"], x[i:i + m], 0, m, gi * cg, cg, g.pad)
+                lay.convolve(buf["y"], buf["x"], wt, 0, m, g, 0, g.out[0])
+                lay.from_lanes(buf["y"], y[i:i + m], 0, m, gi * og, og, b)
+
+            _run(run, _parts(n, 1))
+            continue
+        buf = _buffers(shapes, dt)
+        _run(lambda i, m, _a, _b: lay.pad(buf["x"], x, i, m, gi * cg, cg, g.pad), _parts(n, 1))
+        _run(lambda i, m, r0, r1: lay.convolve(buf["y"], buf["x"], wt, i, m, g, r0, r1),
+             _parts(n, g.out[0]))
+        _run(lambda i, m, _a, _b: lay.from_lanes(buf["y"], y, i, m, gi * og, og, b),
+             _parts(n, 1))
+
+
+def backward(g, dy, x, w, dx, group, need_dw, dt):
+    """dw (or None), and dx written in full when dx is given."""
+    lay = _Layout(dt)
+    n = dy.shape[0]
+    o, cg = w.shape[:2]
+    og = o // group
+    dw = np.empty(w.shape, dt) if need_dw else None
+    wf = flipped_weights(w, group) if dx is not None else None
+    gt = geometry.geom(g.in_sp, g.kernel, (1, 1), (0, 0), g.dilation)
+    spread = tuple(i + d * (k - 1) for i, k, d in zip(g.in_sp, g.kernel, g.dilation))
+    hp, wp = (i + 2 * p for i, p in zip(g.in_sp, g.pad))
+    shapes = {"x": (n, cg, hp, wp), "dyl": (n,) + g.out + (_lanes(og, dt),),
+              "dyp": (n, og) + spread, "dxl": (n,) + g.in_sp + (_lanes(cg, dt),)}
+    for gi in range(group):
+        wt = lay.weights(wf[gi * cg:(gi + 1) * cg]) if dx is not None else None
+        if _by_images(n):
+            runs = _parts(n, 1, geometry.SUM_PARTS)
+            sums = np.zeros((len(runs), cg) + g.kernel + (_lanes(og, dt),), dt) \
+                if need_dw else None
+
+            def run(i, m, _r0, _r1):
+                buf = _buffers(shapes, dt, m)
+                if need_dw:
+                    lay.pad(buf["x"], x[i:i + m], 0, m, gi * cg, cg, g.pad)
+                    lay.to_lanes(buf["dyl"], dy[i:i + m], 0, m, gi * og, og)
+                    lay.weight_gradient(sums[[r[0] for r in runs].index(i)], buf["x"],
+                                        buf["dyl"], 0, m, g, 0, cg)
+                if dx is not None:
+                    _spread(lay, buf["dyp"], dy[i:i + m], gi * og, og, g)
+                    lay.convolve(buf["dxl"], buf["dyp"], wt, 0, m, gt, 0, g.in_sp[0])
+                    lay.from_lanes(buf["dxl"], dx[i:i + m], 0, m, gi * cg, cg, None)
+
+            _run(run, runs)
+        else:
+            buf = _buffers(shapes, dt)
+            if need_dw:
+                _run(lambda i, m, _a, _b: (
+                    lay.pad(buf["x"], x, i, m, gi * cg, cg, g.pad),
+                    lay.to_lanes(buf["dyl"], dy, i, m, gi * og, og)), _parts(n, 1))
+                parts = _parts(n, cg, geometry.SUM_PARTS)
+                starts = sorted({p[0] for p in parts})
+                sums = np.zeros((len(starts), cg) + g.kernel + (_lanes(og, dt),), dt)
+                _run(lambda i, m, c0, c1: lay.weight_gradient(
+                    sums[starts.index(i)], buf["x"], buf["dyl"], i, m, g, c0, c1), parts)
+            if dx is not None:
+                _run(lambda i, m, _a, _b: _spread(lay, buf["dyp"][i:i + m], dy[i:i + m],
+                                                  gi * og, og, g), _parts(n, 1))
+                _run(lambda i, m, r0, r1: lay.convolve(buf["dxl"], buf["dyp"], wt, i, m, gt,
+                                                       r0, r1), _parts(n, g.in_sp[0]))
+                _run(lambda i, m, _a, _b: lay.from_lanes(buf["dxl"], dx, i, m, gi * cg, cg,
+                                                         None), _parts(n, 1))
+        if need_dw:
+            total = sums[0]
+            for part in sums[1:]:
+                total += part
+            dw[gi * og:(gi + 1) * og] = np.moveaxis(total[..., :og], -1, 0)
+    return dw
+
+
+def _spread(lay, out, dy, first, channels, g):
+    """out (N, channels, H + d(k-1), W + d(k-1)) = dy's channels padded so that dx is a
+    stride-1 unpadded convolution of it with the flipped kernel. A strided layer's dy is
+    spread over its stride grid (zeros between), with the rows and columns of x that no window
+    reached getting zeros at the end."""
+    pads = _dx_pad(g)
+    if g.stride == (1, 1):
+        lay.pad(out, dy, 0, len(dy), first, channels, pads)
+        return
+    out.fill(0)
+    out[(slice(None), slice(None)) + tuple(slice(p, p + (o - 1) * s + 1, s) for p, o, s in
+                                           zip(pads, g.out, g.stride))] = \
+        dy[:, first:first + channels]

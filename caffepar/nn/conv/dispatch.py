@@ -1,0 +1,319 @@
+"""The convolution API with Caffe's semantics, and the one place that picks an engine for a layer
+shape (``conv_engine``)."""
+import threading
+
+import numpy as np
+
+from caffepar.nn import calibrate
+from caffepar.nn.blas import blas_threads
+from caffepar.nn.conv import band, cols, direct, grid, pointwise, winograd
+from caffepar.nn.conv.geometry import expand, flipped_geom, flipped_weights, geom
+
+def rule_engine(g, cg, og, group):
+    """The engine fixed thresholds give a shape (without measuring)."""
+    if winograd.usable(g, cg, og):
+        return "winograd"
+    if pointwise.usable(g):
+        return "pointwise"
+    if cols.usable(g, cg, og, group):
+        return "band" if band.usable(g, group) and cg < cols.COLS_MAX_CHANNELS else "im2col"
+    return "grid"
+
+
+def candidates(g, cg, group, dt):
+    """The engines able to run a shape."""
+    found = [name for name, able in (("direct", direct.applicable(g, dt)),
+                                     ("winograd", winograd.applicable(g)),
+                                     ("pointwise", pointwise.applicable(g)),
+                                     ("band", band.applicable(g, group)),
+                                     ("im2col", cols.applicable(g, cg, group))) if able]
+    return found + ["grid"]
+
+
+_forced = threading.local()     # .shape, .engine: the engine being timed for one shape
+
+
+def _engine(g, cg, og, group, n, dt, passes="all"):
+    """The engine a shape runs on: a forced one, else the measured choice (calibrate) for the
+    passes it runs ("all"; "no dx": forward, dw, db; "forward": a flipped-kernel dx), else the
+    rule."""
+    shape = (g.in_sp, g.kernel, g.stride, g.pad, g.dilation, cg, og, group)
+    if getattr(_forced, "shape", None) == shape:
+        return _forced.engine
+    able = candidates(g, cg, group, dt)
+    mode = calibrate.mode()
+    if mode in able:
+        return mode
+    if mode != "measure" or n == 0 or calibrate.measuring():
+        return rule_engine(g, cg, og, group)
+    key = (f"{n}x{cg * group}x{'x'.join(map(str, g.in_sp))} {og * group} "
+           f"k{'x'.join(map(str, g.kernel))} s{'x'.join(map(str, g.stride))} "
+           f"p{'x'.join(map(str, g.pad))} d{'x'.join(map(str, g.dilation))} g{group} {dt.name}"
+           f"{'' if passes == 'all' else ' ' + passes} t{blas_threads()}")
+    return calibrate.choose(key, able, lambda: _timing_run(shape, n, dt, passes), key)
+
+
+def _timing_run(shape, n, dt, passes):
+    """run(engine): the passes of a shape on random data with that engine."""
+    in_sp, kernel, stride, pad, dilation, cg, og, group = shape
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, cg * group) + in_sp).astype(dt)
+    w = (rng.standard_normal((og * group, cg) + kernel) * 0.1).astype(dt)
+    y = np.empty((n, og * group) + geom(in_sp, kernel, stride, pad, dilation).out, dt)
+    dx = np.empty_like(x)
+
+    def run(engine):
+        _forced.shape, _forced.engine = shape, engine
+        try:
+            conv_forward(x, w, None, stride, pad, dilation, group, out=y)
+            if passes != "forward":
+                conv_backward(y, x, w, stride, pad, dilation, group, need_dx=passes == "all",
+                              dx_out=dx)
+        finally:
+            _forced.shape = None
+
+    return run
+
+
+def conv_engine(in_spatial, w_shape, stride, pad, dilation, group, batch=None,
+                dtype=np.float32, need_dx=True):
+    """Which engine runs a convolution (direct, winograd, pointwise, band, im2col or grid):
+    measured for the batch when one is given (as the layers run), else the rule's; benchmarks
+    and `caffepar time` print it."""
+    g = geom(in_spatial, w_shape[2:], stride, pad, dilation)
+    cg, og = w_shape[1], w_shape[0] // group
+    if batch is None:
+        return rule_engine(g, cg, og, group)
+    return _engine(g, cg, og, group, batch, np.dtype(dtype), "all" if need_dx else "no dx")
+
+
+def _check(x, w, group, what):
+    if x.ndim < 3 or w.ndim != x.ndim:
+        raise ValueError(f"{what}: expected x (N, C, *S) and w with as many axes, got "
+                         f"{x.shape} and {w.shape}")
+    if group < 1 or w.shape[0] % group:
+        raise ValueError(f"{what}: {w.shape[0]} filters are not divisible by group {group}")
+
+
+def _dtype(*arrays):
+    dt = np.result_type(*[a.dtype for a in arrays if a is not None])
+    if dt.kind != "f":
+        dt = np.dtype(np.float64)
+    return dt
+
+
+def _bias_shape(nd):
+    return (1, -1) + (1,) * nd
+
+
+def _target(out, shape, dt, what):
+    """(array to compute into, caller's array to copy to at the end or None).
+
+    Results go straight into ``out`` when it is a C-contiguous array of the
+    result's dtype; otherwise into a temporary copied over once.
+    """
+    if out is None:
+        return np.empty(shape, dt), None
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{what}: out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+    if out.dtype == dt and out.flags.c_contiguous and out.flags.writeable:
+        return out, None
+    return np.empty(shape, dt), out
+
+
+def _deliver(result, final):
+    if final is None:
+        return result
+    final[...] = result
+    return final
+
+
+def conv_forward(x, w, b, stride, pad, dilation, group, out=None, backward_dx=True):
+    """x (N, C, *S), w (O, C//group, *K), b (O,) or None -> y (N, O, *S_out), C-contiguous.
+
+    With ``out`` (shape (N, O, *S_out)) the result is written there and
+    returned, saving the caller a copy. ``backward_dx`` tells whether the backward pass will
+    want dx (an engine is chosen for the passes a layer runs).
+    """
+    x = np.asarray(x)
+    w = np.asarray(w)
+    _check(x, w, group, "conv_forward")
+    dt = _dtype(x, w, b)
+    n, c = x.shape[:2]
+    o, cg = w.shape[:2]
+    if c != cg * group:
+        raise ValueError(f"conv_forward: input has {c} channels, weights expect {cg * group}")
+    g = geom(x.shape[2:], w.shape[2:], stride, pad, dilation)
+    x = x.astype(dt, copy=False)
+    w = w.astype(dt, copy=False)
+    y, final = _target(out, (n, o) + g.out, dt, "conv_forward")
+    bias = None if b is None else np.asarray(b, dt).reshape(o)
+    if n:
+        _conv_forward_into(g, x, w, bias, y, group, dt, "all" if backward_dx else "no dx")
+    return _deliver(y, final)
+
+
+def _conv_forward_into(g, x, w, bias, y, group, dt, passes="all"):
+    o, cg = w.shape[:2]
+    engine = _engine(g, cg, o // group, group, x.shape[0], dt, passes)
+    if engine == "direct":
+        direct.forward(g, x, w, bias, y, group, dt)
+    elif engine == "winograd":
+        winograd.forward(x, w, bias, y, g.pad, group, dt)
+    elif engine == "pointwise":
+        pointwise.forward(x, w, y, group)
+        if bias is not None:
+            y += bias.reshape(_bias_shape(g.nd))
+    elif engine == "band":
+        band.forward(g, x, w, bias, y, dt)
+    elif engine == "im2col":
+        cols.forward(g, x, w, bias, y, group, dt)
+    else:
+        grid.forward(g, x, w, bias, y, group, dt)
+
+
+def conv_backward(dy, x, w, stride, pad, dilation, group,
+                  need_dx=True, need_dw=True, need_db=True, dx_out=None):
+    """Gradients of conv_forward: (dx or None, dw or None, db or None).
+
+    ``x`` is only read for dw; when need_dw is False it may be any object
+    with the input's ``shape``. dw/db are this call's gradient alone. With
+    ``dx_out`` (x's shape) dx is written there and returned.
+    """
+    dy = np.asarray(dy)
+    w = np.asarray(w)
+    x_shape = tuple(x.shape)
+    if need_dw:
+        x = np.asarray(x)
+    dt = _dtype(dy, w, x if need_dw else None)
+    return _conv_backward(dy.astype(dt, copy=False), x if need_dw else None, x_shape,
+                          w.astype(dt, copy=False), stride, pad, dilation, group,
+                          need_dx, need_dw, need_db, dt, dx_out)
+
+
+def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
+                   need_dx, need_dw, need_db, dt, dx_out=None):
+    if len(x_shape) < 3 or w.ndim != len(x_shape):
+        raise ValueError(f"conv_backward: expected x (N, C, *S) and w with as many axes, "
+                         f"got {x_shape} and {w.shape}")
+    if group < 1 or w.shape[0] % group:
+        raise ValueError(f"conv_backward: {w.shape[0]} filters are not divisible by "
+                         f"group {group}")
+    n, c = x_shape[:2]
+    o, cg = w.shape[:2]
+    og = o // group
+    if c != cg * group:
+        raise ValueError(f"conv_backward: input has {c} channels, weights expect {cg * group}")
+    g = geom(x_shape[2:], w.shape[2:], stride, pad, dilation)
+    if dy.shape != (n, o) + g.out:
+        raise ValueError(f"conv_backward: dy has shape {dy.shape}, expected {(n, o) + g.out}")
+    if not (need_dx or need_dw or need_db):
+        return None, None, None
+    engine = _engine(g, cg, og, group, n, dt, "all" if need_dx else "no dx")
+    whole = engine in ("winograd", "direct") and n > 0       # dx written in full
+    use_cols = engine in ("band", "im2col") and n > 0 and (need_dx or need_dw)
+    dx = final = None
+    if need_dx:
+        dx, final = _target(dx_out, x_shape, dt, "conv_backward")
+        if not (g.x_full or use_cols or whole):
+            dx.fill(0)
+    if whole and engine == "direct":
+        dw = direct.backward(g, dy, x, w, dx, group, need_dw, dt)
+        db = dy.sum(axis=(0, 2, 3), dtype=dt) if need_db else None
+    elif whole:
+        dw = winograd.backward(dy, x, w, dx, g.pad, group, need_dw, dt)
+        db = dy.sum(axis=(0, 2, 3), dtype=dt) if need_db else None
+    elif use_cols:
+        dw, db = _cols_backward(g, engine, dy, x, w, dx, group, need_dw, need_db, dt)
+    else:
+        db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=dt) if need_db else None
+        dw = None
+        if n == 0:
+            dw = np.zeros(w.shape, dt) if need_dw else None
+        elif engine == "pointwise" and (need_dx or need_dw):
+            dw = pointwise.backward(np.ascontiguousarray(dy), x, w, dx, group, need_dw)
+        elif need_dx or need_dw:
+            dw = grid.backward(g, dy, x, w, dx, group, need_dw, dt)
+    return (None if dx is None else _deliver(dx, final)), dw, db
+
+
+def _cols_backward(g, engine, dy, x, w, dx, group, need_dw, need_db, dt):
+    """(dw, db) of a band or im2col layer, and dx: a forward convolution of dy with flipped
+    kernels when channels are many, else col2im."""
+    cg = w.shape[1]
+    need_dx = dx is not None
+    dy = np.ascontiguousarray(dy)
+    gt = flipped_geom(g) if (need_dx and cg >= cols.FLIP_MIN_CHANNELS) else None
+    if gt is not None:
+        # dx is a forward convolution in its own right (dy has og channels per group):
+        # small images stay on the band path, others take the engine that shape suits.
+        if engine == "band":
+            band.forward(gt, dy, flipped_weights(w, group), None, dx, dt)
+        else:
+            _conv_forward_into(gt, dy, flipped_weights(w, group), None, dx, group, dt,
+                               "forward")
+    if engine == "im2col":
+        return cols.backward(g, dy, x, w, dx if gt is None else None, group,
+                               need_dw, need_db, dt)
+    dw = db = None
+    if need_dw:
+        dw, db = band.backward(g, dy, x, w, need_db, dt)
+    elif need_db:
+        db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=dt)
+    if need_dx and gt is None:
+        cols.backward(g, dy, x, w, dx, group, False, False, dt)
+    return dw, db
+
+
+def _deconv_geom_shape(x_shape, w, stride, pad, dilation, group):
+    nd = len(x_shape) - 2
+    kernel = w.shape[2:]
+    stride = expand(stride, nd, "stride")
+    pad = expand(pad, nd, "pad")
+    dilation = expand(dilation, nd, "dilation")
+    out = tuple(s * (i - 1) + d * (k - 1) + 1 - 2 * p
+                for i, k, s, p, d in zip(x_shape[2:], kernel, stride, pad, dilation))
+    if min(out, default=1) < 1:
+        raise ValueError(f"deconvolution output would be empty: input {tuple(x_shape[2:])}")
+    return (x_shape[0], w.shape[1] * group) + out
+
+
+def deconv_forward(x, w, b, stride, pad, dilation, group, out=None):
+    """Caffe Deconvolution: x (N, Cin, *S), w (Cin, Cout//group, *K), b (Cout,).
+
+    With ``out`` the result is written there and returned.
+    """
+    x = np.asarray(x)
+    w = np.asarray(w)
+    _check(x, w, group, "deconv_forward")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"deconv_forward: input has {x.shape[1]} channels, weights expect "
+                         f"{w.shape[0]}")
+    dt = _dtype(x, w, b)
+    y_shape = _deconv_geom_shape(x.shape, w, stride, pad, dilation, group)
+    y, final = _target(out, y_shape, dt, "deconv_forward")
+    _conv_backward(x.astype(dt, copy=False), None, y_shape, w.astype(dt, copy=False),
+                   stride, pad, dilation, group, True, False, False, dt, y)
+    if b is not None:
+        y += np.asarray(b, dt).reshape(_bias_shape(len(y_shape) - 2))
+    return _deliver(y, final)
+
+
+def deconv_backward(dy, x, w, stride, pad, dilation, group,
+                    need_dx=True, need_dw=True, need_db=True, dx_out=None):
+    """Gradients of deconv_forward: (dx or None, dw or None, db or None)."""
+    dy = np.asarray(dy)
+    x = np.asarray(x)
+    w = np.asarray(w)
+    dt = _dtype(dy, x, w)
+    dy = dy.astype(dt, copy=False)
+    x = x.astype(dt, copy=False)
+    w = w.astype(dt, copy=False)
+    db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=dt) if need_db else None
+    dx = conv_forward(dy, w, None, stride, pad, dilation, group, out=dx_out) \
+        if need_dx else None
+    dw = None
+    if need_dw:
+        _, dw, _ = _conv_backward(x, dy, dy.shape, w, stride, pad, dilation, group,
+                                  False, True, False, dt)
+    return dx, dw, db

@@ -1,0 +1,252 @@
+"""Compiled kernels for the work BLAS does not do (or does poorly): pooling, LRN, ReLU's
+backward and Dropout, the direct convolution engine, the Winograd transforms, Caffe's Im2col
+layer, InnerProduct on a small batch and the solver update.
+
+They are C (``*.c`` beside this file), compiled on first use by the machine's C compiler with
+``-O3 -march=native`` -- code for this CPU's own instruction set (AVX2, AVX-512, ...) -- into a
+per-user cache (``$CAFFEPAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/caffepar`` or
+``~/.cache/caffepar``). The library's name is a hash of the sources, the compiler and the CPU's
+feature flags, so an upgrade or another CPU sharing a home directory builds its own, and every
+later run (and every MPI rank) loads the built one; a lock makes concurrent first runs build
+once. Loaded through ctypes, which releases the GIL during a call, so ``blas.run_parts`` runs
+kernels on a block each side by side, as it does the GEMMs.
+
+``CAFFEPAR_KERNELS`` selects the path: ``auto`` (default: compiled, or the NumPy code with one
+warning when no compiler works), ``native`` (compiled or an error) or ``numpy``;
+``CAFFEPAR_CFLAGS`` adds compiler flags. Pooling, LRN, ReLU, Dropout, Im2col and the solver
+update compute exactly what the NumPy code computes, operation by operation and in the same
+order (``-ffp-contract=off`` keeps the compiler from fusing multiply-adds); the convolution
+kernels sum in their own order, as every engine does.
+"""
+import contextlib
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from caffepar.errors import CaffeparError
+
+log = logging.getLogger("caffepar")
+
+MODES = ("auto", "native", "numpy")
+SOURCES = Path(__file__).resolve().parent
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+         "-fPIC", "-shared", "-std=c11"]
+SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+
+# name: argument kinds, p = pointer, i = int64, d = double. Every kernel exists once per dtype
+# (name_f32, name_f64) and returns an int64.
+SIGNATURES = {
+    "max_pool_forward": "ppp" + "i" * 14,
+    "max_pool_backward": "ppp" + "i" * 14,
+    "ave_pool_forward": "pp" + "i" * 13,
+    "ave_pool_backward": "pp" + "i" * 13,
+    "solver_update": "ppppiiddidddd",
+    "lrn_forward": "ppppp" + "iiii" + "ddd",
+    "lrn_backward": "ppppppp" + "iiii" + "d",
+    "relu_backward": "pppid",
+    "dropout_forward": "ppppiddi",
+    "dropout_backward": "pppidi",
+    "im2col": "pp" + "i" * 14,
+    "col2im": "pp" + "i" * 14,
+    "wino_input": "pp" + "i" * 10,
+    "wino_output": "ppp" + "i" * 8,
+    "wino_output_adjoint": "pp" + "i" * 8,
+    "ip_forward": "pppp" + "i" * 5,
+    "ip_backward_data": "ppp" + "i" * 5,
+    "conv_pad": "pp" + "i" * 8,
+    "conv_to_lanes": "pp" + "i" * 6,
+    "conv_from_lanes": "ppp" + "i" * 6,
+    "conv_direct_forward": "ppp" + "i" * 15,
+    "conv_direct_dw": "ppp" + "i" * 15,
+}
+
+
+class KernelBuildError(CaffeparError):
+    """The compiled kernels were required (CAFFEPAR_KERNELS=native) but cannot be built."""
+
+
+def mode():
+    value = os.environ.get("CAFFEPAR_KERNELS", "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise CaffeparError(f"CAFFEPAR_KERNELS must be one of {', '.join(MODES)}, got {value!r}")
+    return value
+
+
+def cache_dir():
+    """$CAFFEPAR_CACHE_DIR, else ~/.cache/caffepar (or under $XDG_CACHE_HOME); a per-user temp
+    folder when that cannot be written (a read-only home on a cluster node)."""
+    root = os.environ.get("CAFFEPAR_CACHE_DIR")
+    if root:
+        return Path(root)
+    root = Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "caffepar"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if os.access(root, os.W_OK):
+            return root
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"caffepar-{os.getuid()}"
+
+
+def flags():
+    """The compiler flags: FLAGS, then $CAFFEPAR_CFLAGS (e.g. -march=haswell builds AVX2 code
+    on an AVX-512 host, as for a cluster of older nodes)."""
+    return FLAGS + os.environ.get("CAFFEPAR_CFLAGS", "").split()
+
+
+def compiler():
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or "cc"
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _sources():
+    return sorted(p for p in SOURCES.iterdir() if p.suffix in (".c", ".inc"))
+
+
+def library_path():
+    """Where this build of the kernels lives (whether built yet or not)."""
+    h = hashlib.sha256()
+    for p in _sources():
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    cc = compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = "none"
+    for part in (cc, version, " ".join(flags()), platform.machine(), _cpu_flags()):
+        h.update(part.encode() + b"\0")
+    return cache_dir() / f"kernels-{h.hexdigest()[:20]}.so"
+
+
+def build(path):
+    """Compile the sources into `path` (atomically), the float and double kernels side by side;
+    returns the seconds it took."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    main = SOURCES / "kernels.c"
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=path.parent) as tmp:
+        lib = os.path.join(tmp, path.name)
+        for options in (flags(), [f for f in flags() if f != "-march=native"]):
+            objects = [os.path.join(tmp, f"{part}.o") for part in ("f32", "f64")]
+            jobs = [subprocess.Popen([compiler(), *options, "-c", f"-DONLY_{part.upper()}",
+                                      "-o", obj, str(main)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+                    for part, obj in zip(("f32", "f64"), objects)]
+            outputs = [job.communicate(timeout=600)[0] for job in jobs]
+            failed = [out for job, out in zip(jobs, outputs) if job.returncode]
+            if not failed:      # else a compiler without -march=native: generic code
+                break
+        if not failed:
+            link = subprocess.run([compiler(), *options, "-o", lib, *objects, "-lm"],
+                                  capture_output=True, text=True, timeout=600)
+            failed = [link.stderr or link.stdout] if link.returncode else []
+        if failed:
+            lines = failed[0].strip().splitlines()
+            errors = [line for line in lines if "error" in line] or lines
+            raise OSError(errors[0] if errors else f"{compiler()} failed")
+        os.replace(lib, path)
+    return time.perf_counter() - start
+
+
+def _bind(lib):
+    funcs = {}
+    kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "d": ctypes.c_double}
+    for name, sig in SIGNATURES.items():
+        for suffix in SUFFIX.values():
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.restype = ctypes.c_int64
+            fn.argtypes = [kinds[k] for k in sig]
+            funcs[(name, suffix)] = fn
+    return funcs
+
+
+class Kernels:
+    """The kernels of one dtype: ``k.max_pool_forward(...)`` calls ``max_pool_forward_f32``."""
+
+    def __init__(self, funcs, suffix):
+        for (name, s), fn in funcs.items():
+            if s == suffix:
+                setattr(self, name, fn)
+
+
+_LOCK = threading.Lock()
+_loaded = {}        # mode -> {dtype: Kernels} or None
+build_seconds = None
+
+
+def _load():
+    """{dtype: Kernels}, building the library on first use; None when it cannot be built."""
+    global build_seconds
+    path = library_path()
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path.parent / ".build.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not path.exists():
+                    log.info("Compiling caffepar's kernels for this CPU into %s", path)
+                    build_seconds = build(path)
+                    log.info("Kernels compiled in %.1f s (once per CPU and version)",
+                             build_seconds)
+        funcs = _bind(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError, subprocess.SubprocessError) as e:
+        if mode() == "native":
+            raise KernelBuildError(f"cannot build the compiled kernels with {compiler()}: {e}",
+                                   hint="install a C compiler or set CAFFEPAR_KERNELS=numpy")
+        log.warning("Compiled kernels unavailable (%s); using the NumPy kernels", e)
+        return None
+    return {dt: Kernels(funcs, s) for dt, s in SUFFIX.items()}
+
+
+def kernels(dtype):
+    """The compiled kernels for arrays of `dtype`, or None: use the NumPy code."""
+    m = mode()
+    if m == "numpy":
+        return None
+    if m not in _loaded:
+        with _LOCK:
+            if m not in _loaded:
+                _loaded[m] = _load()
+    found = _loaded[m]
+    return None if found is None else found.get(np.dtype(dtype))
+
+
+@contextlib.contextmanager
+def use(path):
+    """Run a block on the given path ("native" or "numpy"), for tests and benchmarks."""
+    old = os.environ.get("CAFFEPAR_KERNELS")
+    os.environ["CAFFEPAR_KERNELS"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CAFFEPAR_KERNELS", None)
+        else:
+            os.environ["CAFFEPAR_KERNELS"] = old
+
+
+def ptr(a):
+    """An array's data address for a kernel argument."""
+    return a.ctypes.data
