@@ -11,9 +11,8 @@ and mode, a net of a DummyData bottom of the layer's input shape and the InnerPr
 parallel plan: the figures are what caffepar's communicator records for the layer's collectives
 (MODEL: allgather, the two all-to-alls and the reduce-scatter of its forward and backward; DATA:
 the allreduce of its weight and bias gradients), per iteration, slowest rank, median of
-`--repeats` after two warm-up iterations. Ranks are lined up (a barrier, not timed) before the
-layer's forward and backward and before the gradient allreduce, so a rank's late arrival (ranks
-share the cores) is not counted as communication.
+`--repeats` after two warm-up iterations. Every collective starts after an untimed barrier, so a rank's late
+arrival (ranks share the cores) is not counted as communication, as in `caffepar calibrate`.
 
 Finished cells are kept in snapshots/fc_comm/<transport>_p<P>.csv and skipped on a rerun.
 Writes results/fc_comm.csv, results/fc_comm.md and results/fc{6,7,8}_comm.png. With
@@ -69,20 +68,18 @@ layer {{ name: "{layer}" type: "InnerProduct" bottom: "x" top: "y" parallel_mode
 
 
 # ---------------------------------------------------------------- one rank of a job
-class _LineUp:
-    """Net observer: a barrier before the measured layer's forward and backward and before the
-    gradient reduction, so the collectives time communication, not a late rank."""
+def line_up_collectives(comm):
+    """Every blocking collective of `comm` starts after an untimed barrier, so its recorded
+    time is communication, not a rank arriving late (ranks share the cores: one still
+    finishing its GEMM, or not scheduled, would otherwise count as communication). The same
+    holds for `caffepar calibrate`, so the two measure alike."""
+    timed = comm._timed
 
-    def __init__(self, comm, index):
-        self.comm, self.index = comm, index
+    def aligned(tag, op, nbytes, fn):
+        comm.comm.Barrier()
+        return timed(tag, op, nbytes, fn)
 
-    def layer_start(self, kind, i):
-        if i == self.index:
-            self.comm.barrier()
-
-    def layer_end(self, kind, i):
-        if kind == "backward" and i == 0:
-            self.comm.barrier()
+    comm._timed = aligned
 
 
 def measure_cell(comm, layer, batch, mode, repeats):
@@ -100,7 +97,6 @@ def measure_cell(comm, layer, batch, mode, repeats):
     net = Net(param, phase=caffe_pb2.TRAIN, shard=(comm.rank, comm.size),
               layer_factory=layer_factory(comm, Planner("data")))
     tag = TAG if mode == "DATA" else layer
-    net.observers.append(_LineUp(comm, net._layer_names.index(layer)))
     samples = []
 
     def take(_i, _ms):
@@ -124,6 +120,7 @@ def worker(args):
 
     from caffepar.parallel.comm import world_comm
     comm = world_comm(force=True)
+    line_up_collectives(comm)
     out = Path(args.out)
     done = set()
     if comm.rank == 0 and out.exists():
@@ -294,7 +291,9 @@ def report(rows, cells, models, transports, ranks):
              "parallel plan (MODEL: allgather of the bottoms, the all-to-alls of the outputs "
              "and of the top diffs, reduce-scatter of the bottom diff; DATA: allreduce of the "
              "weight and bias gradients), slowest rank, median of the repeats after two "
-             "warm-up iterations, ranks lined up by an untimed barrier before each.",
+             "warm-up iterations; every collective starts after an untimed barrier (as in "
+             "`caffepar calibrate`), so a rank that is late because the ranks share the cores "
+             "does not count as communication.",
              "",
              "- shm: MPI's own choice on one machine (shared memory). tcp: MPI forced onto its "
              "network path over loopback (`CAFFEPAR_TRANSPORT=tcp`), standing for separate "
