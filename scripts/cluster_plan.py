@@ -159,7 +159,11 @@ def write(rows, local, calibration):
              ""]
     lines += [f"- `{k}`: {v[2]}" for k, v in PRESETS.items() if k in NETWORKS]
     lines += ["", "HYBRID is the paper's rule (InnerProduct layers above 8 Mi parameters MODEL); "
-              "AUTO picks per InnerProduct the mode predicted to communicate less.", ""]
+              "AUTO picks per InnerProduct the mode predicted to communicate less. Compute is "
+              "one core of this CPU per rank: a cluster node computing faster (more cores, a "
+              "GPU) leaves communication a larger share of the iteration, and the plans' "
+              "differences grow with it (`results/cluster_plan.csv` has each plan's comm ms "
+              "alone).", ""]
     for name in NETS:
         for network in NETWORKS:
             lines += [f"## {name}, {network}", "",

@@ -419,27 +419,73 @@ def trends(cells, t):
     return out
 
 
+def crossover_batch(model, layer, ranks):
+    """The batch per rank above which the model predicts DATA to communicate less (MODEL's
+    time grows linearly with the batch, DATA's does not)."""
+    from caffepar.parallel.cost import layer_comm_ms
+    fan_in, num_output = LAYERS[layer]
+    data = layer_comm_ms(model, fan_in, num_output, 1, ranks, "DATA")
+    m1 = layer_comm_ms(model, fan_in, num_output, 1, ranks, "MODEL")
+    m2 = layer_comm_ms(model, fan_in, num_output, 2, ranks, "MODEL")
+    slope = m2 - m1
+    return (data - (m1 - slope)) / slope if slope > 0 else float("inf")
+
+
 def explanation(cells, models, transports):
     """Why this machine differs from the paper's cluster, from the fitted alpha and beta."""
-    from caffepar.parallel.cost import NETWORKS
-    out = ["## Why this machine differs from the paper's cluster", ""]
+    from caffepar.parallel.cost import CostModel, inner_product_calls, layer_comm_ms
+    out = ["## Why this machine differs from the paper's cluster", "",
+           "MODEL moves activations (its time grows with the batch and is mostly latency at "
+           "small batches: 3-4 collectives of kilobytes), DATA the gradients (a constant "
+           "allreduce of the whole weight, bandwidth-bound). So the winner flips at the batch "
+           "where MODEL's growing traffic reaches DATA's fixed one:", "",
+           "| transport | layer | P | crossover batch, model | first batch DATA wins, "
+           "measured | paper |", "|---|---|---|---|---|---|"]
+    for t in transports:
+        if t not in models:
+            continue
+        for layer in LAYERS:
+            for p in RANKS:
+                b = crossover_batch(models[t], layer, p)
+                measured = [c["batch"] for c in cells if (c["transport"], c["layer"], c["np"])
+                            == (t, layer, p) and c["measured_winner"] == "DATA"]
+                paper = [x for x in BATCHES if paper_winner(layer, p, x) == "DATA"]
+                out.append(f"| {t} | {layer} | {p} | {b:.0f} | "
+                           f"{min(measured) if measured else '> 128'} | "
+                           f"{min(paper) if paper else '> 128'} |")
+    out.append("")
     for t in transports:
         if t not in models:
             continue
         a_ar, b_ar = models[t].alpha_beta("allreduce", 2)
-        a_ag, b_ag = models[t].alpha_beta("alltoall", 2)
-        out.append(f"- {t} at P=2: allreduce {a_ar * 1e6:.1f} us per hop and "
-                   f"{1 / b_ar / 1e9:.2f} GB/s; all-to-all {a_ag * 1e6:.1f} us per hop and "
-                   f"{1 / b_ag / 1e9:.2f} GB/s. MODEL runs 3-4 collectives where DATA runs one, "
-                   f"so it pays alpha 3-4 times; DATA moves K*N values once at bandwidth 1/beta. "
-                   f"MODEL wins while its extra latency is below the bandwidth time DATA "
-                   f"saves it: for fc8 at P=2 DATA's allreduce of 16 MB takes about "
-                   f"{1e3 * models[t].collective_s('allreduce', 2, 4 * 4097000):.2f} ms here.")
-    ib = NETWORKS["100gb-ib"]
-    out.append(f"- For comparison, 100Gb InfiniBand: {ib[0] * 1e6:.1f} us, "
-               f"{1 / ib[1] / 1e9:.1f} GB/s. On shared memory bandwidth is high and latency "
-               "lowest, but every byte is copied by the same two cores that the ranks compute "
-               "on, and P > 2 oversubscribes them.")
+        a_aa, b_aa = models[t].alpha_beta("alltoall", 2)
+        out.append(f"- {t} at P=2: allreduce {a_ar * 1e6:.1f} us per hop, {1 / b_ar / 1e9:.2f} "
+                   f"GB/s; all-to-all {a_aa * 1e6:.1f} us per hop, {1 / b_aa / 1e9:.2f} GB/s.")
+    fan_in, num_output = LAYERS["fc6"]
+    calls = inner_product_calls(fan_in, num_output, 1, 2, "MODEL")
+    moved = sum(n for _, n in calls)
+    out += ["", "The paper's ratios at batch 1, P=2 (fc6 33x, fc7 6x) are far below what MPI's "
+            "collectives give here, and below what they predict on cluster networks:"]
+    for name in ("10gbe", "25gbe"):
+        net = CostModel.preset(name)
+        r6 = layer_comm_ms(net, fan_in, num_output, 1, 2, "DATA") / \
+            layer_comm_ms(net, fan_in, num_output, 1, 2, "MODEL")
+        r7 = layer_comm_ms(net, 4096, 4096, 1, 2, "DATA") / \
+            layer_comm_ms(net, 4096, 4096, 1, 2, "MODEL")
+        out.append(f"- {name} preset: fc6 {r6:.0f}x, fc7 {r7:.0f}x.")
+    net = CostModel.preset("10gbe")
+    data = layer_comm_ms(net, fan_in, num_output, 1, 2, "DATA")
+    per_call = (data / 33 - 1e3 * sum(net.collective_s(op, 2, n) for op, n in calls)) / len(calls)
+    out += [f"- On 10GbE, fc6's DATA allreduce takes {data:.0f} ms; for MODEL to be only 33x "
+            f"faster, its {len(calls)} collectives moving {moved / 1e3:.0f} kB would each have "
+            f"to cost about {per_call:.1f} ms beyond MPI's latency and bandwidth. The paper's "
+            "layer broadcast each rank's bottoms (a call per rank) and broadcast them again in "
+            "backward (PAPER.md): fixed costs per call of that size, not the network's "
+            "bandwidth, are what such low ratios imply. caffepar runs one MPI collective per "
+            "step (allgather, all-to-all, reduce-scatter), so MODEL's edge at small batches is "
+            "far larger, and the crossovers to DATA come at larger batches (table above).",
+            "- On this machine P=4 and P=8 share 2 cores: the calibrated bandwidth falls with P "
+            "(every rank's copies run on the same cores), which both modes pay.", ""]
     return out
 
 
