@@ -484,8 +484,12 @@ def format_options(net, cost_model, ranks, batch, profile, ranks_per_node, topk_
     forward = sum(profile["forward_ms"].get(n, 0.0) for n in names) * scale
     backward = [profile["backward_ms"].get(n, 0.0) * scale for n in names]
     nodes = ranks_per_node if ranks % ranks_per_node == 0 and ranks_per_node < ranks else None
-    predicted = predict_options(gradient_units(net), forward, backward, 0.0, cost_model, ranks,
-                                topk_ratio, nodes, node_model())
+    units = gradient_units(net)
+    predicted = predict_options(units, forward, backward, 0.0, cost_model, ranks, topk_ratio,
+                                nodes, node_model())
+    from caffepar.parallel.buckets import describe_buckets
+    from caffepar.parallel.schedule import merge_buckets
+    merged, (per_layer, after) = merge_buckets(units, backward, cost_model, ranks)
     lines = ["", f"Gradient options, every layer DATA (top-k ratio {topk_ratio:g}, selection "
                  "not modelled; hierarchical: "
              + (f"nodes of {nodes} ranks over shared memory" if nodes else
@@ -496,6 +500,9 @@ def format_options(net, cost_model, ranks, batch, profile, ranks_per_node, topk_
         m = predicted[option]
         lines.append(f"  {option:<15}{m.iteration_s * 1e3:>14.1f}{m.comm_s * 1e3:>10.1f}"
                      f"{m.exposed_s * 1e3:>12.1f}")
+    lines.append(f"Optimal merge (--merge auto): buckets {describe_buckets(merged)}; backward + "
+                 f"communication {per_layer:.1f} ms with a bucket per layer, {after:.1f} ms "
+                 "merged")
     return "\n".join(lines)
 
 
