@@ -194,7 +194,7 @@ layer { name: "fc" type: "InnerProduct" bottom: "x" top: "y"
     assert list(options) == ["plain", "overlap", "overlap+merge", "top-k", "hierarchical"]
     # One small layer: plain = compute 12 ms + its allreduce, as the DATA plan above.
     assert float(options["plain"][0]) == pytest.approx(float(data_line.split()[3]), abs=0.05)
-    assert "Optimal merge (--merge auto): buckets [fc: 272 B]" in out
+    assert "Optimal merge (--merge auto): buckets [fc: 0.3 KiB]" in out
     profile.write_text("{}")
     code, _out, err = _run(["plan", "--model", str(net), "--profile-file", str(profile),
                             "--network", "10gbe"], capsys)
