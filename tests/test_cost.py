@@ -201,6 +201,35 @@ layer { name: "fc" type: "InnerProduct" bottom: "x" top: "y"
     assert code == 1 and "not a caffepar profile" in err
 
 
+def test_time_saves_the_profile_plan_reads(tmp_path, capsys):
+    """`caffepar time --save-profile` writes the per-layer ms it printed; plan takes its
+    compute from them."""
+    from caffepar.timing import load_profile
+    net = tmp_path / "net.prototxt"
+    net.write_text("""
+layer { name: "data" type: "DummyData" top: "x" dummy_data_param { shape { dim: 8 dim: 64 } } }
+layer { name: "fc" type: "InnerProduct" bottom: "x" top: "y"
+        inner_product_param { num_output: 32 } }
+""")
+    profile = tmp_path / "p.json"
+    code, out, _err = _run(["time", "--model", str(net), "--iterations", "2",
+                            "--save-profile", str(profile)], capsys)
+    assert code == 0 and f"Wrote the profile to {profile}" in out
+    doc = load_profile(profile)
+    assert doc["batch"] == 8 and doc["iterations"] == 2
+    assert list(doc["forward_ms"]) == ["data", "fc"]
+    printed = {l.split()[0]: float(l.split()[2]) for l in out.splitlines()
+               if "\tforward:" in l}
+    assert printed == {k: pytest.approx(v, abs=5e-5) for k, v in doc["forward_ms"].items()}
+    code, out, _err = _run(["plan", "--model", str(net), "--np", "8", "--network", "25gbe",
+                            "--profile-file", str(profile)], capsys)
+    total = sum(doc["forward_ms"].values()) + sum(doc["backward_ms"].values())
+    assert code == 0 and f"forward + backward {total:.1f} ms at batch 8 per rank" in out
+    code, _out, err = _run(["time", "--model", str(net), "--np", "2", "--save-profile",
+                            str(profile)], capsys)
+    assert code == 2 and "--save-profile times one process" in err
+
+
 MPIEXEC = find_mpiexec()
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec installed")
 
