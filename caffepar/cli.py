@@ -552,6 +552,9 @@ def calibrate_cmd(ctx, ranks, transport, output, max_mb, repeats, mpiexec):
                           mpiexec, transport=transport))
     from caffepar.parallel.calibrate import calibrate, fit_error
     comm = world_comm()
+    if comm.size < 2:
+        raise CaffeparError("calibrate measures collectives between ranks: it needs 2 or more "
+                            "(--np P, or mpiexec -n P)")
     ctx.obj["comm"] = comm
     say = click.echo if comm.rank == 0 else (lambda *a, **k: None)
     say(f"Calibrating {comm.size} ranks over {transport}: "

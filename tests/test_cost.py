@@ -254,6 +254,16 @@ def test_calibrate_writes_a_file_plan_reads(tmp_path):
 
 
 @needs_mpi
+def test_calibrate_on_one_rank_is_one_line(tmp_path):
+    proc = subprocess.run([MPIEXEC, "-n", "1", sys.executable, "-m", "caffepar.cli",
+                           "calibrate", "-o", str(tmp_path / "c.json")],
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, CAFFEPAR_MPI="1"))
+    assert proc.returncode == 1 and not (tmp_path / "c.json").exists()
+    assert "it needs 2 or more" in proc.stderr.strip().splitlines()[-1]
+
+
+@needs_mpi
 @pytest.mark.parametrize("batch, beta, split", [(1, 1e-9, True), (64, 1e-15, False)])
 def test_auto_run_takes_the_cost_models_choice(tmp_path, batch, beta, split):
     """`time --np 2 --parallel auto`: fc runs MODEL (its comm shows on its line) where the
