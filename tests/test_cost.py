@@ -75,6 +75,26 @@ def test_planner_auto_reasons():
     assert mode == DATA and why.startswith("parallel_mode: AUTO; predicted comm")
 
 
+def test_rules_leave_a_transposed_inner_product_data_parallel():
+    """MODEL splits the weight by output rows: hybrid's threshold and AUTO run a big
+    transpose: true layer DATA and say why; asking for MODEL stays an error."""
+    from caffepar.errors import NetError
+    from caffepar.parallel.plan import Planner
+    from caffepar.proto import caffe_pb2
+    ip = caffe_pb2.LayerParameter(name="fc", type="InnerProduct")
+    ip.inner_product_param.transpose = True
+    shape = {"fan_in": 25088, "num_output": 4096, "batch": 1}
+    for planner in (Planner("hybrid"), Planner("auto", ranks=2),
+                    Planner("auto", cost_model=CostModel.preset("10gbe"), ranks=2)):
+        mode, why = planner.decide(ip, 25088 * 4096 + 4096, **shape)
+        assert mode == DATA and "MODEL needs transpose: false" in why, why
+    ip.parallel_mode = caffe_pb2.LayerParameter.MODEL
+    planner = Planner("hybrid")
+    mode, _why = planner.decide(ip, 25088 * 4096 + 4096, **shape)
+    with pytest.raises(NetError, match="needs transpose: false"):
+        planner.check(ip, mode, transpose=True)
+
+
 def test_fit_recovers_alpha_and_beta():
     alpha, beta = 3e-6, 0.25e-9
     samples = [(p, n, alpha * hops("allgather", p) + beta * traffic("allgather", p, n))
