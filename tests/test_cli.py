@@ -51,8 +51,8 @@ CASES = {
     "syntax_error": (["--model", BAD / "syntax_error.prototxt"],
                      r"syntax_error.prototxt:13: error: syntax error"),
     "unknown_type": (["--model", BAD / "unknown_type.prototxt"],
-                     r'unknown_type.prototxt:8: error: layer "conv1": unknown layer type '
-                     r'"Convolutoin".*did you mean "Convolution"\?'),
+                     r'unknown_type.prototxt:8: error: unknown layer type: "Convolutoin" '
+                     r'\(layer "conv1", line 8; did you mean "Convolution"\?\)'),
     "unknown_bottom": (["--model", BAD / "unknown_bottom.prototxt"],
                        r'unknown_bottom.prototxt:8: error: layer "conv1".*unknown bottom blob "dta"'),
     "duplicate_top": (["--model", BAD / "duplicate_top.prototxt"],
@@ -68,6 +68,28 @@ CASES = {
                     r"must be > 0, got 0"),
     "missing_model": (["--model", BAD / "no_such.prototxt"], r"no_such.prototxt: error: .*not found"),
 }
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "net.prototxt: error: the net has no layers"),
+    ('name: "only a name"\n', "net.prototxt: error: the net has no layers"),
+    ('layer { name: "x" type: "Input" top: "x" include { phase: TEST }\n'
+     '        input_param { shape { dim: 1 } } }\n',
+     "net.prototxt: error: no layer of the net is in phase TRAIN (level 0)"),
+    ('layer { name: "a" type: "Foo" top: "a" }\n'
+     'layer { name: "b" type: "DepthwiseConvolution" bottom: "a" top: "b" }\n'
+     'layer { name: "c" type: "Foo" bottom: "b" top: "c" }\n',
+     'net.prototxt:1: error: unknown layer types: "Foo" (layer "a", line 1), '
+     '"DepthwiseConvolution" (layer "b", line 2), "Foo" (layer "c", line 3) (known types: '),
+])
+def test_empty_nets_and_every_unknown_type_at_once(tmp_path, monkeypatch, capsys, text, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "net.prototxt").write_text(text)
+    code, _out, err = run(["time", "--model", "net.prototxt", "--iterations", "1"], capsys)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"caffepar: {message}"), lines
+    assert "did you mean" not in lines[0]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

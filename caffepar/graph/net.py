@@ -15,6 +15,7 @@ from caffepar.blob import Blob
 from caffepar.errors import CaffeparError, NetError, PrototxtError
 from caffepar.graph.passes import filter_net, insert_splits
 from caffepar.nn import create_layer
+from caffepar.nn.base import check_layer_types
 from caffepar.proto import caffe_pb2
 from caffepar.proto.text import SourceMap, read_net_text
 from caffepar.proto.upgrade import upgrade_net
@@ -65,7 +66,14 @@ class Net:
         # backward (kind "forward" or "backward"): timelines, gradient reduction during backward.
         self.observers = []
         self.name = param.name
+        if not (param.layer or param.layers):
+            raise NetError("the net has no layers", path=smap.path)
         param = insert_splits(filter_net(param, smap), smap)
+        if not param.layer:
+            stages = f", stages {', '.join(stages)}" if stages else ""
+            raise NetError(f"no layer of the net is in phase {'TRAIN' if phase == TRAIN else 'TEST'}"
+                           f" (level {level}{stages})", path=smap.path)
+        check_layer_types(param.layer, smap)
         self.param = param
         self._build(param)
         if weights is not None:
