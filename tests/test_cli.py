@@ -81,6 +81,21 @@ CASES = {
      'layer { name: "c" type: "Foo" bottom: "b" top: "c" }\n',
      'net.prototxt:1: error: unknown layer types: "Foo" (layer "a", line 1), '
      '"DepthwiseConvolution" (layer "b", line 2), "Foo" (layer "c", line 3) (known types: '),
+    ('layer { name: "in" type: "Input" top: "data" }\n'
+     'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "y"\n'
+     '        inner_product_param { num_output: 2 } }\n',
+     'net.prototxt:2: error: layer "ip" (InnerProduct): bottom blob "data" has no shape: '
+     'the Input layer that makes it gives none'),
+    ('layer { name: "in" type: "Input" top: "data"\n'
+     '        input_param { shape { dim: 2 dim: 3 dim: 8 dim: 8 } } }\n'
+     'layer { name: "c" type: "Convolution" bottom: "data" top: "y" parallel_mode: MODEL\n'
+     '        convolution_param { num_output: 2 kernel_size: 3 } }\n',
+     'net.prototxt:3: error: layer "c" (Convolution): only InnerProduct layers can run model '
+     'parallel (parallel_mode: MODEL)'),
+    ('layer { name: "in" type: "Input" top: "data"\n'
+     '        input_param { shape { dim: 100000 dim: 3 dim: 1000 dim: 1000 } } }\n',
+     'net.prototxt:1: error: layer "in" (Input): out of memory for top "data": a blob of shape '
+     '(100000, 3, 1000, 1000) needs 2.2 TiB (data and diff)'),
 ])
 def test_empty_nets_and_every_unknown_type_at_once(tmp_path, monkeypatch, capsys, text, message):
     monkeypatch.chdir(tmp_path)
