@@ -213,6 +213,10 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
 @click.option("--sigint_effect", "--sigint-effect", default="stop", show_default=True,
               type=click.Choice(["stop", "snapshot", "none"]),
               help="What Ctrl-C does: snapshot and stop, snapshot and go on, or nothing.")
+@click.option("--on-nonfinite", "on_nonfinite", default="stop", show_default=True,
+              type=click.Choice(["stop", "continue"]),
+              help="At a NaN or infinite loss: stop naming the first layer whose output is "
+                   "not finite, or train on as Caffe does.")
 @click.option("--sighup_effect", "--sighup-effect", default="snapshot", show_default=True,
               type=click.Choice(["stop", "snapshot", "none"]))
 @click.option("--log", "log_file", default=None, type=click.Path(dir_okay=False),
@@ -238,9 +242,9 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
 @click.option("--gpu", default=None, hidden=True)
 @click.pass_context
 def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_effect,
-              sighup_effect, log_file, csv_file, ranks, default_mode, model_parallel,
-              mp_threshold, log_all_ranks, threads, mpiexec, gpu, calibration, network, alpha,
-              beta, **comm_flags):
+              on_nonfinite, sighup_effect, log_file, csv_file, ranks, default_mode,
+              model_parallel, mp_threshold, log_all_ranks, threads, mpiexec, gpu, calibration,
+              network, alpha, beta, **comm_flags):
     """Train a net with a solver, as `caffe train`; with --np, over MPI ranks."""
     from caffepar.parallel.comm import world_comm
     from caffepar.training import run_training
@@ -260,8 +264,8 @@ def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_e
     planner = _planner(default_mode, model_parallel, mp_threshold, cost_model, comm.size)
     run_training(solver, weights=weights, snapshot=snapshot, iterations=iterations,
                  level=level, stages=stage, sigint_effect=sigint_effect,
-                 sighup_effect=sighup_effect, log_file=log_file, csv_file=csv_file,
-                 comm=comm, planner=planner, log_all_ranks=log_all_ranks,
+                 sighup_effect=sighup_effect, on_nonfinite=on_nonfinite, log_file=log_file,
+                 csv_file=csv_file, comm=comm, planner=planner, log_all_ranks=log_all_ranks,
                  comm_flags=comm_flags)
 
 

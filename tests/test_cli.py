@@ -170,3 +170,37 @@ def test_plan_prints_modes_and_refuses_model_parallel_convolutions(capsys):
     code, out, err = run(["plan", "--model", model, "--model-parallel", "conv1_1"], capsys)
     assert code == 1
     assert 'layer "conv1_1" (Convolution): only InnerProduct layers can run model parallel' in err
+
+
+NAN_NET = """
+layer { name: "data" type: "DummyData" top: "x" top: "label"
+        dummy_data_param { shape { dim: 4 dim: 8 } shape { dim: 4 }
+                           data_filler { type: "gaussian" } data_filler { type: "constant" } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "x" top: "h"
+        inner_product_param { num_output: 8 weight_filler { type: "gaussian" std: 1 } } }
+layer { name: "log" type: "Log" bottom: "h" top: "lh" }
+layer { name: "ip2" type: "InnerProduct" bottom: "lh" top: "y"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "y" bottom: "label" top: "loss" }
+"""
+
+
+def test_nonfinite_loss_stops_naming_the_layer_or_trains_on(tmp_path, monkeypatch, capsys):
+    """log of negative activations: NaN from the first iteration."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "net.prototxt").write_text(NAN_NET)
+    (tmp_path / "solver.prototxt").write_text(
+        'net: "net.prototxt"\nbase_lr: 0.01\nlr_policy: "fixed"\nmax_iter: 4\n'
+        'snapshot: 2\nsnapshot_prefix: "snap"\n')
+    code, _out, err = run(["train", "--solver", "solver.prototxt"], capsys)
+    assert code == 1
+    assert err.strip().splitlines()[-1] == (
+        'caffepar: error: iteration 0: the loss is nan; the first layer with a non-finite '
+        'output is "log" (top "lh"). Stopped before the update, so the last snapshot holds '
+        'finite weights (lower base_lr, or --on-nonfinite continue to train on as Caffe does)')
+    assert not list(tmp_path.glob("snap_iter_*"))
+    code, _out, err = run(["train", "--solver", "solver.prototxt", "--on-nonfinite",
+                           "continue"], capsys)
+    assert code == 0
+    assert "Snapshotting weights that are not all finite (NaN or infinite) at iteration 2" in err
+    assert (tmp_path / "snap_iter_4.caffemodel").exists()
