@@ -163,13 +163,17 @@ def cli(ctx, debug):
 @click.option("--threads", default=None, type=click.IntRange(min=1),
               help="BLAS threads per rank (default: cores / ranks).")
 @click.option("--mpiexec", default=None, help="The mpiexec to start ranks with.")
+@click.option("--save-profile", type=click.Path(dir_okay=False), default=None,
+              help="Write every layer's forward and backward ms to this file, the compute "
+                   "that `caffepar plan --profile-file` predicts iterations from (one "
+                   "process, no --np).")
 @comm_options
 @cost_options
 @click.option("--gpu", default=None, hidden=True)
 @click.pass_context
 def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, default_mode,
-             model_parallel, mp_threshold, threads, mpiexec, gpu, calibration, network, alpha,
-             beta, **comm_flags):
+             model_parallel, mp_threshold, threads, mpiexec, save_profile, gpu, calibration,
+             network, alpha, beta, **comm_flags):
     """Time forward and backward of every layer, as `caffe time`."""
     from caffepar.graph.net import Net
     from caffepar.parallel.comm import world_comm
@@ -179,6 +183,9 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
     if comm_flags.get("momentum_correction"):
         raise click.UsageError("--momentum-correction needs a solver's momentum: it is an "
                                "option of caffepar train")
+    if save_profile and ranks and ranks > 1:
+        raise click.UsageError("--save-profile times one process (the compute a rank does, "
+                               "which plan adds communication to); drop --np")
     options = CommOptions().with_flags(**_comm_flags(ranks, comm_flags))
     cost_model = _cost_model(calibration, network, alpha, beta)
     _relaunch_if_asked(ctx, ranks, threads, mpiexec)
@@ -195,6 +202,11 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
                        progress=lambda i, ms: say(
         f"Iteration: {i} forward-backward time: {ms:.2f} ms."))
     say(format_benchmark(net, result))
+    if save_profile:
+        from caffepar.timing import profile_dict
+        from caffepar.timing import save_profile as save_profile_file
+        save_profile_file(save_profile, profile_dict(net, result, _net_batch(net)))
+        say(f"Wrote the profile to {save_profile}")
     if options.timeline:
         say(f"Wrote the timeline to {options.timeline}")
 
@@ -421,6 +433,7 @@ def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase, profile
         from caffepar.parallel.buckets import detect_alexnet_like
         from caffepar.parallel.gradsync import layer_parameters
         from caffepar.timing import benchmark, profile_dict
+        from caffepar.timing import save_profile as save_profile_file
         net = Net(net.param, phase=_phase(phase))
         result = benchmark(net, profile_iterations)
         detection = detect_alexnet_like([l.name for l in net.layers], result.backward_ms,
@@ -430,9 +443,7 @@ def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase, profile
                    f"{detection.describe()}")
         profile = profile_dict(net, result, batch)
         if save_profile:
-            import json
-            with open(save_profile, "w", encoding="utf-8") as f:
-                json.dump(profile, f, indent=1)
+            save_profile_file(save_profile, profile)
             click.echo(f"wrote the profile to {save_profile}")
     if cost_model is not None:
         click.echo(format_prediction(net, model_parallel, mp_threshold, cost_model, ranks,
@@ -545,6 +556,9 @@ def calibrate_cmd(ctx, ranks, transport, output, max_mb, repeats, mpiexec):
                           mpiexec, transport=transport))
     from caffepar.parallel.calibrate import calibrate, fit_error
     comm = world_comm()
+    if comm.size < 2:
+        raise CaffeparError("calibrate measures collectives between ranks: it needs 2 or more "
+                            "(--np P, or mpiexec -n P)")
     ctx.obj["comm"] = comm
     say = click.echo if comm.rank == 0 else (lambda *a, **k: None)
     say(f"Calibrating {comm.size} ranks over {transport}: "

@@ -4,6 +4,11 @@ MODEL parallel, P = 2, 4, 8, batch per rank 1 ... 128, over shared memory and ov
 
     python scripts/reproduce_fc_comm.py [--transports shm,tcp] [--ranks 2,4,8] [--fresh]
                                         [--report-only] [--repeats 5]
+    python scripts/reproduce_fc_comm.py --check --calibration shm=mine.json
+
+`--check` measures and writes nothing: it sets a calibration's AUTO choices beside the measured
+winners (this checkout's sweep, else the committed results/fc_comm.csv) and prints the
+agreement and the model's error per transport.
 
 Each (transport, P) is one mpiexec job (one BLAS thread per rank) that builds, per layer, batch
 and mode, a net of a DummyData bottom of the layer's input shape and the InnerProduct with
@@ -173,6 +178,12 @@ def run_job(transport, ranks, repeats):
 
 
 def read_rows(transports, ranks):
+    """The measured rows of each (transport, P): from this checkout's sweep state, else from
+    the committed results/fc_comm.csv (so the report and the AUTO check run anywhere)."""
+    committed = []
+    if (RESULTS / "fc_comm.csv").exists():
+        with open(RESULTS / "fc_comm.csv", newline="") as f:
+            committed = list(csv.DictReader(f))
     rows = []
     for t in transports:
         for p in ranks:
@@ -180,20 +191,38 @@ def read_rows(transports, ranks):
             if path.exists():
                 with open(path, newline="") as f:
                     rows += list(csv.DictReader(f))
+            else:
+                rows += [r for r in committed if r["transport"] == t and int(r["np"]) == p]
     for r in rows:
         r["np"], r["batch"] = int(r["np"]), int(r["batch"])
         r["comm_ms"] = float(r["comm_ms"])
     return rows
 
 
-def load_calibrations(transports):
+def load_calibrations(transports, given=None):
+    """{transport: CostModel} from `given` ({transport: file}), else
+    results/calibration_<transport>.json where it exists."""
     from caffepar.parallel.cost import CostModel
+    given = given or {}
     models = {}
     for t in transports:
-        path = RESULTS / f"calibration_{t}.json"
-        if path.exists():
+        path = given.get(t, RESULTS / f"calibration_{t}.json")
+        if t in given or Path(path).exists():
             models[t] = CostModel.load(path)
     return models
+
+
+def auto_agreement(cells, transport):
+    """(cells where AUTO picks the measured winner, cells, median and 90th percentile of the
+    model's relative error over both modes), or None without predictions."""
+    import numpy as np
+    mine = [c for c in cells if c["transport"] == transport and "auto_choice" in c]
+    if not mine:
+        return None
+    agree = sum(c["auto_choice"] == c["measured_winner"] for c in mine)
+    errs = [abs(c[f"predicted_{m}_ms"] - c[f"{m}_ms"]) / c[f"{m}_ms"]
+            for c in mine for m in ("data", "model")]
+    return agree, len(mine), float(np.median(errs)), float(np.percentile(errs, 90))
 
 
 def summarize(rows, models=None):
@@ -355,17 +384,14 @@ def report(rows, cells, models, transports, ranks):
         for t in transports:
             if t not in models:
                 continue
-            mine = [c for c in cells if c["transport"] == t and "auto_choice" in c]
-            if not mine:
+            found = auto_agreement(cells, t)
+            if found is None:
                 continue
-            agree = sum(c["auto_choice"] == c["measured_winner"] for c in mine)
-            errs = [abs(c[f"predicted_{m}_ms"] - c[f"{m}_ms"]) / c[f"{m}_ms"]
-                    for c in mine for m in ("data", "model")]
+            agree, n, median, p90 = found
             lines += [f"- {t} ({describe(models[t])}): AUTO picks the measured faster mode in "
-                      f"{agree} of {len(mine)} cells ({100 * agree / len(mine):.0f}%); the "
-                      f"model's median relative error against the sweep is "
-                      f"{100 * float(np.median(errs)):.0f}% (90th percentile "
-                      f"{100 * float(np.percentile(errs, 90)):.0f}%)."]
+                      f"{agree} of {n} cells ({100 * agree / n:.0f}%); the model's median "
+                      f"relative error against the sweep is {100 * median:.0f}% (90th "
+                      f"percentile {100 * p90:.0f}%)."]
             lines += _alpha_beta_lines(models[t], ranks)
         lines += [""] + explanation(cells, models, transports)
     else:
@@ -505,7 +531,15 @@ def main():
     ap.add_argument("--ranks", default=",".join(map(str, RANKS)))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--fresh", action="store_true", help="measure every cell again")
-    ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--report-only", action="store_true",
+                    help="measure nothing: rewrite results/ from what was measured (this "
+                         "checkout's sweep state, else the committed results/fc_comm.csv)")
+    ap.add_argument("--calibration", action="append", default=[], metavar="TRANSPORT=FILE",
+                    help="check AUTO with this calibration instead of "
+                         "results/calibration_<transport>.json (repeatable)")
+    ap.add_argument("--check", action="store_true",
+                    help="measure nothing, write nothing: print AUTO's agreement with the "
+                         "measured winners and the model's error per transport")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--transport", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -520,15 +554,37 @@ def main():
         for t in transports:
             for p in ranks:
                 (STATE / f"{t}_p{p}.csv").unlink(missing_ok=True)
-    if not args.report_only:
+    given = {}
+    for item in args.calibration:
+        t, _, path = item.partition("=")
+        if t not in TRANSPORTS or not path:
+            sys.exit(f"--calibration {item}: expected TRANSPORT=FILE with TRANSPORT one of "
+                     f"{', '.join(TRANSPORTS)}")
+        given[t] = path
+    if not (args.report_only or args.check):
         for t in transports:
             for p in ranks:
                 t0 = time.time()
                 run_job(t, p, args.repeats)
                 print(f"{t} P={p}: {time.time() - t0:.0f} s", flush=True)
     rows = read_rows(transports, ranks)
-    models = load_calibrations(transports)
+    if not rows:
+        sys.exit("nothing measured yet (no sweep state and no results/fc_comm.csv)")
+    from caffepar.errors import CaffeparError
+    try:
+        models = load_calibrations(transports, given)
+    except CaffeparError as e:
+        sys.exit(f"reproduce_fc_comm: {e}")
     cells = summarize(rows, models)
+    for t in transports:
+        found = auto_agreement(cells, t)
+        if found:
+            agree, n, median, p90 = found
+            print(f"{t}: AUTO picks the measured faster mode in {agree} of {n} cells "
+                  f"({100 * agree / n:.0f}%); model's median relative error "
+                  f"{100 * median:.0f}% (90th percentile {100 * p90:.0f}%)")
+    if args.check:
+        return
     write_results(rows, cells, models, transports, ranks)
     print(f"wrote results/fc_comm.csv ({len(rows)} rows), fc_comm.md, fc6/7/8_comm.png"
           + (", fc_auto.csv" if models else ""))

@@ -125,14 +125,16 @@ class CostModel:
                    doc.get("info", {}))
 
     def save(self, path):
+        """Write the calibration file (atomically: `calibrate` adds fits to a file users
+        keep, and a crash must not lose the ones already in it)."""
         doc = {"format": FORMAT, "source": self.source, "transport": self.transport,
                "info": self.info,
                "fits": {str(p): {op: {"alpha_s": a, "beta_s_per_byte": b}
                                  for op, (a, b) in ops.items()}
                         for p, ops in sorted(self.fits.items())}}
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+        from caffepar.io.weights import atomic_write
+        text = json.dumps(doc, indent=1) + "\n"
+        atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
     def merged(self, other):
         """This model with `other`'s fits added (a calibration at another P)."""
