@@ -204,3 +204,17 @@ def test_nonfinite_loss_stops_naming_the_layer_or_trains_on(tmp_path, monkeypatc
     assert code == 0
     assert "Snapshotting weights that are not all finite (NaN or infinite) at iteration 2" in err
     assert (tmp_path / "snap_iter_4.caffemodel").exists()
+
+
+def test_convert_info_wires_layers_that_share_a_name(tmp_path, capsys):
+    (tmp_path / "net.prototxt").write_text("""
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 4 } } }
+layer { name: "fc" type: "InnerProduct" bottom: "data" top: "a"
+        inner_product_param { num_output: 3 } }
+layer { name: "fc" type: "InnerProduct" bottom: "a" top: "b"
+        inner_product_param { num_output: 2 } }
+""")
+    code, out, err = run(["convert", "info", str(tmp_path / "net.prototxt")], capsys)
+    assert code == 0, err
+    wiring = [" ".join(l.split()[2:5]) for l in out.splitlines() if l.startswith("fc ")]
+    assert wiring == ["data -> a", "a -> b"]
