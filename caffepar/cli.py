@@ -225,6 +225,10 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
 @click.option("--sigint_effect", "--sigint-effect", default="stop", show_default=True,
               type=click.Choice(["stop", "snapshot", "none"]),
               help="What Ctrl-C does: snapshot and stop, snapshot and go on, or nothing.")
+@click.option("--on-nonfinite", "on_nonfinite", default="stop", show_default=True,
+              type=click.Choice(["stop", "continue"]),
+              help="At a NaN or infinite loss: stop naming the first layer whose output is "
+                   "not finite, or train on as Caffe does.")
 @click.option("--sighup_effect", "--sighup-effect", default="snapshot", show_default=True,
               type=click.Choice(["stop", "snapshot", "none"]))
 @click.option("--log", "log_file", default=None, type=click.Path(dir_okay=False),
@@ -250,9 +254,9 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
 @click.option("--gpu", default=None, hidden=True)
 @click.pass_context
 def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_effect,
-              sighup_effect, log_file, csv_file, ranks, default_mode, model_parallel,
-              mp_threshold, log_all_ranks, threads, mpiexec, gpu, calibration, network, alpha,
-              beta, **comm_flags):
+              on_nonfinite, sighup_effect, log_file, csv_file, ranks, default_mode,
+              model_parallel, mp_threshold, log_all_ranks, threads, mpiexec, gpu, calibration,
+              network, alpha, beta, **comm_flags):
     """Train a net with a solver, as `caffe train`; with --np, over MPI ranks."""
     from caffepar.parallel.comm import world_comm
     from caffepar.training import run_training
@@ -272,8 +276,8 @@ def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_e
     planner = _planner(default_mode, model_parallel, mp_threshold, cost_model, comm.size)
     run_training(solver, weights=weights, snapshot=snapshot, iterations=iterations,
                  level=level, stages=stage, sigint_effect=sigint_effect,
-                 sighup_effect=sighup_effect, log_file=log_file, csv_file=csv_file,
-                 comm=comm, planner=planner, log_all_ranks=log_all_ranks,
+                 sighup_effect=sighup_effect, on_nonfinite=on_nonfinite, log_file=log_file,
+                 csv_file=csv_file, comm=comm, planner=planner, log_all_ranks=log_all_ranks,
                  comm_flags=comm_flags)
 
 
@@ -580,6 +584,14 @@ def convert_group():
     """Convert Caffe models: upgrade old formats, inspect, change weight formats, export ONNX."""
 
 
+def net_state_options(fn):
+    """--phase/--level/--stage: which layers of the net are built, as in train, test and time."""
+    fn = click.option("--stage", multiple=True, help="Net state stage (repeatable).")(fn)
+    fn = click.option("--level", default=0, type=int, help="Net state level.")(fn)
+    return click.option("--phase", type=click.Choice(["TRAIN", "TEST"], case_sensitive=False),
+                        default="TEST", show_default=True)(fn)
+
+
 @convert_group.command("upgrade")
 @click.argument("src", type=click.Path(exists=True, dir_okay=False))
 @click.argument("dst", required=False, type=click.Path(dir_okay=False))
@@ -629,10 +641,12 @@ def convert_npz(weights, out):
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--allow-missing", is_flag=True,
               help="Keep filler values for net layers the npz has no weights for.")
-def convert_caffemodel(npz, model, out, allow_missing):
+@net_state_options
+def convert_caffemodel(npz, model, out, allow_missing, phase, level, stage):
     """NPZ weights + net MODEL -> caffemodel OUT (HDF5 when OUT ends in .h5)."""
     from caffepar.convert.npz import convert_weights
-    _report_conversion(*convert_weights(npz, out, model=model, allow_missing=allow_missing), out)
+    _report_conversion(*convert_weights(npz, out, model=model, allow_missing=allow_missing,
+                                        phase=_phase(phase), level=level, stages=stage), out)
 
 
 @convert_group.command("weights")
@@ -642,11 +656,13 @@ def convert_caffemodel(npz, model, out, allow_missing):
               help="Load into this net first (shapes checked, its layer definitions written).")
 @click.option("--allow-missing", is_flag=True,
               help="With --model: keep filler values for layers SRC has no weights for.")
-def convert_weights_cmd(src, dst, model, allow_missing):
+@net_state_options
+def convert_weights_cmd(src, dst, model, allow_missing, phase, level, stage):
     """Weights SRC (binary/HDF5 caffemodel, npz, or a .solverstate snapshot) -> DST, weights
     only; the format follows DST's name (.h5, .npz, else binary)."""
     from caffepar.convert.npz import convert_weights
-    _report_conversion(*convert_weights(src, dst, model=model, allow_missing=allow_missing), dst)
+    _report_conversion(*convert_weights(src, dst, model=model, allow_missing=allow_missing,
+                                        phase=_phase(phase), level=level, stages=stage), dst)
 
 
 def _report_conversion(fmt, report, out):
@@ -668,12 +684,16 @@ def _report_conversion(fmt, report, out):
               help="ONNX opset (default 17).")
 @click.option("--allow-missing", is_flag=True,
               help="Keep filler values for layers WEIGHTS has no weights for.")
-def convert_onnx(model, weights, out, verify, batch, opset, allow_missing):
+@click.option("--phase", type=click.Choice(["TEST"], case_sensitive=False), default="TEST",
+              show_default=True, help="An exported net runs inference: TEST only.")
+@click.option("--level", default=0, type=int, help="Net state level.")
+@click.option("--stage", multiple=True, help="Net state stage (repeatable).")
+def convert_onnx(model, weights, out, verify, batch, opset, allow_missing, phase, level, stage):
     """Deploy net MODEL with WEIGHTS -> OUT.onnx (TEST phase; inputs/outputs keep Caffe's
     blob names)."""
     from caffepar.convert.onnx_export import DEFAULT_OPSET, export_onnx
     result = export_onnx(model, weights, out, batch=batch, allow_missing=allow_missing,
-                         opset=opset or DEFAULT_OPSET)
+                         opset=opset or DEFAULT_OPSET, level=level, stages=stage)
     shapes = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in result.inputs.items())
     click.echo(f"wrote {out}: inputs {shapes}; outputs {', '.join(result.outputs)}")
     if verify:

@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from reproduce_table3 import _cpu_name  # noqa: E402
+
 NETS = {"vgg16": 4, "alexnet": 16}           # the bundled DummyData batch per rank
 NETWORKS = ("25gbe", "100gb-ib")
 RANKS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -266,7 +268,7 @@ def write(rows, local, calibration):
             w = csv.DictWriter(f, list(local[0]))
             w.writeheader()
             w.writerows(local)
-    lines.append(f"Machine: {_cpu()}; measured {time.strftime('%Y-%m-%d')}.")
+    lines.append(f"Machine: {_cpu_name()}, {os.cpu_count()} cores; measured {time.strftime('%Y-%m-%d')}.")
     (RESULTS / "cluster_plan.md").write_text("\n".join(lines) + "\n")
 
 
@@ -287,16 +289,6 @@ def summary(rows):
                            f"{k} in {len(v)} of {len(mine)} cells" for k, v in
                            sorted(splits.items(), key=lambda kv: -len(kv[1]))) + ".")
     return out + [""]
-
-
-def _cpu():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f", {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def main():
