@@ -56,8 +56,12 @@ class Blob:
             self.data = self.data.reshape(shape)
             self.diff = self.diff.reshape(shape)
         else:
-            self.data = np.zeros(shape, self.dtype)
-            self.diff = np.zeros(shape, self.dtype)
+            try:
+                self.data = np.zeros(shape, self.dtype)
+                self.diff = np.zeros(shape, self.dtype)
+            except MemoryError:
+                raise MemoryError(f"a blob of shape {shape} needs {_size_text(2 * count * np.dtype(self.dtype).itemsize)} "
+                                  "(data and diff)") from None
 
     def share_data(self, other):
         self.data = other.data
@@ -67,6 +71,13 @@ class Blob:
 
     def __repr__(self):
         return f"Blob(shape={self.shape}, dtype={self.dtype.name})"
+
+
+def _size_text(nbytes):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes} B"
+        nbytes /= 1024
 
 
 class BlobVec(list):

@@ -173,6 +173,10 @@ ALLOW_MISSING_OPTION = click.option(
 @click.option("--threads", default=None, type=click.IntRange(min=1),
               help="BLAS threads per rank (default: cores / ranks).")
 @click.option("--mpiexec", default=None, help="The mpiexec to start ranks with.")
+@click.option("--save-profile", type=click.Path(dir_okay=False), default=None,
+              help="Write every layer's forward and backward ms to this file, the compute "
+                   "that `caffepar plan --profile-file` predicts iterations from (one "
+                   "process, no --np).")
 @comm_options
 @cost_options
 @WATCHDOG_OPTION
@@ -180,8 +184,8 @@ ALLOW_MISSING_OPTION = click.option(
 @click.option("--gpu", default=None, hidden=True)
 @click.pass_context
 def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, default_mode,
-             model_parallel, mp_threshold, threads, mpiexec, watchdog, allow_missing, gpu,
-             calibration, network, alpha, beta, **comm_flags):
+             model_parallel, mp_threshold, threads, mpiexec, save_profile, watchdog,
+             allow_missing, gpu, calibration, network, alpha, beta, **comm_flags):
     """Time forward and backward of every layer, as `caffe time`."""
     from caffepar.graph.net import Net
     from caffepar.parallel.options import CommOptions
@@ -190,6 +194,9 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
     if comm_flags.get("momentum_correction"):
         raise click.UsageError("--momentum-correction needs a solver's momentum: it is an "
                                "option of caffepar train")
+    if save_profile and ranks and ranks > 1:
+        raise click.UsageError("--save-profile times one process (the compute a rank does, "
+                               "which plan adds communication to); drop --np")
     options = CommOptions().with_flags(**_comm_flags(ranks, comm_flags))
     cost_model = _cost_model(calibration, network, alpha, beta)
     _relaunch_if_asked(ctx, ranks, threads, mpiexec)
@@ -207,6 +214,11 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
                        progress=lambda i, ms: say(
         f"Iteration: {i} forward-backward time: {ms:.2f} ms."))
     say(format_benchmark(net, result))
+    if save_profile:
+        from caffepar.timing import profile_dict
+        from caffepar.timing import save_profile as save_profile_file
+        save_profile_file(save_profile, profile_dict(net, result, _net_batch(net)))
+        say(f"Wrote the profile to {save_profile}")
     if options.timeline:
         say(f"Wrote the timeline to {options.timeline}")
 
@@ -225,6 +237,10 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
 @click.option("--sigint_effect", "--sigint-effect", default="stop", show_default=True,
               type=click.Choice(["stop", "snapshot", "none"]),
               help="What Ctrl-C does: snapshot and stop, snapshot and go on, or nothing.")
+@click.option("--on-nonfinite", "on_nonfinite", default="stop", show_default=True,
+              type=click.Choice(["stop", "continue"]),
+              help="At a NaN or infinite loss: stop naming the first layer whose output is "
+                   "not finite, or train on as Caffe does.")
 @click.option("--sighup_effect", "--sighup-effect", default="snapshot", show_default=True,
               type=click.Choice(["stop", "snapshot", "none"]))
 @click.option("--log", "log_file", default=None, type=click.Path(dir_okay=False),
@@ -252,9 +268,9 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
 @click.option("--gpu", default=None, hidden=True)
 @click.pass_context
 def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_effect,
-              sighup_effect, log_file, csv_file, ranks, default_mode, model_parallel,
-              mp_threshold, log_all_ranks, threads, mpiexec, watchdog, allow_missing, gpu,
-              calibration, network, alpha, beta, **comm_flags):
+              on_nonfinite, sighup_effect, log_file, csv_file, ranks, default_mode,
+              model_parallel, mp_threshold, log_all_ranks, threads, mpiexec, watchdog,
+              allow_missing, gpu, calibration, network, alpha, beta, **comm_flags):
     """Train a net with a solver, as `caffe train`; with --np, over MPI ranks."""
     from caffepar.training import run_training
     _warn_gpu(gpu)
@@ -272,8 +288,8 @@ def train_cmd(ctx, solver, weights, snapshot, iterations, level, stage, sigint_e
     planner = _planner(default_mode, model_parallel, mp_threshold, cost_model, comm.size)
     run_training(solver, weights=weights, snapshot=snapshot, iterations=iterations,
                  level=level, stages=stage, sigint_effect=sigint_effect,
-                 sighup_effect=sighup_effect, log_file=log_file, csv_file=csv_file,
-                 comm=comm, planner=planner, log_all_ranks=log_all_ranks,
+                 sighup_effect=sighup_effect, on_nonfinite=on_nonfinite, log_file=log_file,
+                 csv_file=csv_file, comm=comm, planner=planner, log_all_ranks=log_all_ranks,
                  comm_flags=comm_flags, allow_missing=allow_missing)
 
 
@@ -431,6 +447,7 @@ def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase, profile
         from caffepar.parallel.buckets import detect_alexnet_like
         from caffepar.parallel.gradsync import layer_parameters
         from caffepar.timing import benchmark, profile_dict
+        from caffepar.timing import save_profile as save_profile_file
         net = Net(net.param, phase=_phase(phase))
         result = benchmark(net, profile_iterations)
         detection = detect_alexnet_like([l.name for l in net.layers], result.backward_ms,
@@ -440,9 +457,7 @@ def plan_cmd(model, ranks, default, model_parallel, mp_threshold, phase, profile
                    f"{detection.describe()}")
         profile = profile_dict(net, result, batch)
         if save_profile:
-            import json
-            with open(save_profile, "w", encoding="utf-8") as f:
-                json.dump(profile, f, indent=1)
+            save_profile_file(save_profile, profile)
             click.echo(f"wrote the profile to {save_profile}")
     if cost_model is not None:
         click.echo(format_prediction(net, model_parallel, mp_threshold, cost_model, ranks,
@@ -498,8 +513,12 @@ def format_options(net, cost_model, ranks, batch, profile, ranks_per_node, topk_
     forward = sum(profile["forward_ms"].get(n, 0.0) for n in names) * scale
     backward = [profile["backward_ms"].get(n, 0.0) * scale for n in names]
     nodes = ranks_per_node if ranks % ranks_per_node == 0 and ranks_per_node < ranks else None
-    predicted = predict_options(gradient_units(net), forward, backward, 0.0, cost_model, ranks,
-                                topk_ratio, nodes, node_model())
+    units = gradient_units(net)
+    predicted = predict_options(units, forward, backward, 0.0, cost_model, ranks, topk_ratio,
+                                nodes, node_model())
+    from caffepar.parallel.buckets import describe_buckets
+    from caffepar.parallel.schedule import merge_buckets
+    merged, (per_layer, after) = merge_buckets(units, backward, cost_model, ranks)
     lines = ["", f"Gradient options, every layer DATA (top-k ratio {topk_ratio:g}, selection "
                  "not modelled; hierarchical: "
              + (f"nodes of {nodes} ranks over shared memory" if nodes else
@@ -510,6 +529,9 @@ def format_options(net, cost_model, ranks, batch, profile, ranks_per_node, topk_
         m = predicted[option]
         lines.append(f"  {option:<15}{m.iteration_s * 1e3:>14.1f}{m.comm_s * 1e3:>10.1f}"
                      f"{m.exposed_s * 1e3:>12.1f}")
+    lines.append(f"Optimal merge (--merge auto): buckets {describe_buckets(merged)}; backward + "
+                 f"communication {per_layer:.1f} ms with a bucket per layer, {after:.1f} ms "
+                 "merged")
     return "\n".join(lines)
 
 
@@ -548,6 +570,9 @@ def calibrate_cmd(ctx, ranks, transport, output, max_mb, repeats, mpiexec):
                           mpiexec, transport=transport))
     from caffepar.parallel.calibrate import calibrate, fit_error
     comm = _world_comm(ctx, 0)
+    if comm.size < 2:
+        raise CaffeparError("calibrate measures collectives between ranks: it needs 2 or more "
+                            "(--np P, or mpiexec -n P)")
     ctx.obj["comm"] = comm
     say = click.echo if comm.rank == 0 else (lambda *a, **k: None)
     say(f"Calibrating {comm.size} ranks over {transport}: "
@@ -571,6 +596,14 @@ def calibrate_cmd(ctx, ranks, transport, output, max_mb, repeats, mpiexec):
 @cli.group("convert")
 def convert_group():
     """Convert Caffe models: upgrade old formats, inspect, change weight formats, export ONNX."""
+
+
+def net_state_options(fn):
+    """--phase/--level/--stage: which layers of the net are built, as in train, test and time."""
+    fn = click.option("--stage", multiple=True, help="Net state stage (repeatable).")(fn)
+    fn = click.option("--level", default=0, type=int, help="Net state level.")(fn)
+    return click.option("--phase", type=click.Choice(["TRAIN", "TEST"], case_sensitive=False),
+                        default="TEST", show_default=True)(fn)
 
 
 @convert_group.command("upgrade")
@@ -622,10 +655,12 @@ def convert_npz(weights, out):
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--allow-missing", is_flag=True,
               help="Keep filler values for net layers the npz has no weights for.")
-def convert_caffemodel(npz, model, out, allow_missing):
+@net_state_options
+def convert_caffemodel(npz, model, out, allow_missing, phase, level, stage):
     """NPZ weights + net MODEL -> caffemodel OUT (HDF5 when OUT ends in .h5)."""
     from caffepar.convert.npz import convert_weights
-    _report_conversion(*convert_weights(npz, out, model=model, allow_missing=allow_missing), out)
+    _report_conversion(*convert_weights(npz, out, model=model, allow_missing=allow_missing,
+                                        phase=_phase(phase), level=level, stages=stage), out)
 
 
 @convert_group.command("weights")
@@ -635,11 +670,13 @@ def convert_caffemodel(npz, model, out, allow_missing):
               help="Load into this net first (shapes checked, its layer definitions written).")
 @click.option("--allow-missing", is_flag=True,
               help="With --model: keep filler values for layers SRC has no weights for.")
-def convert_weights_cmd(src, dst, model, allow_missing):
+@net_state_options
+def convert_weights_cmd(src, dst, model, allow_missing, phase, level, stage):
     """Weights SRC (binary/HDF5 caffemodel, npz, or a .solverstate snapshot) -> DST, weights
     only; the format follows DST's name (.h5, .npz, else binary)."""
     from caffepar.convert.npz import convert_weights
-    _report_conversion(*convert_weights(src, dst, model=model, allow_missing=allow_missing), dst)
+    _report_conversion(*convert_weights(src, dst, model=model, allow_missing=allow_missing,
+                                        phase=_phase(phase), level=level, stages=stage), dst)
 
 
 def _report_conversion(fmt, report, out):
@@ -661,12 +698,16 @@ def _report_conversion(fmt, report, out):
               help="ONNX opset (default 17).")
 @click.option("--allow-missing", is_flag=True,
               help="Keep filler values for layers WEIGHTS has no weights for.")
-def convert_onnx(model, weights, out, verify, batch, opset, allow_missing):
+@click.option("--phase", type=click.Choice(["TEST"], case_sensitive=False), default="TEST",
+              show_default=True, help="An exported net runs inference: TEST only.")
+@click.option("--level", default=0, type=int, help="Net state level.")
+@click.option("--stage", multiple=True, help="Net state stage (repeatable).")
+def convert_onnx(model, weights, out, verify, batch, opset, allow_missing, phase, level, stage):
     """Deploy net MODEL with WEIGHTS -> OUT.onnx (TEST phase; inputs/outputs keep Caffe's
     blob names)."""
     from caffepar.convert.onnx_export import DEFAULT_OPSET, export_onnx
     result = export_onnx(model, weights, out, batch=batch, allow_missing=allow_missing,
-                         opset=opset or DEFAULT_OPSET)
+                         opset=opset or DEFAULT_OPSET, level=level, stages=stage)
     shapes = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in result.inputs.items())
     click.echo(f"wrote {out}: inputs {shapes}; outputs {', '.join(result.outputs)}")
     if verify:

@@ -150,6 +150,15 @@ def profile_dict(net, result, batch):
             "backward_ms": dict(zip(net._layer_names, map(float, result.backward_ms)))}
 
 
+def save_profile(path, profile):
+    """Write a profile_dict to `path` (atomically: a crash leaves the old file or none)."""
+    import json
+
+    from caffepar.io.weights import atomic_write
+    text = json.dumps(profile, indent=1) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
 def load_profile(path):
     import json
 

@@ -110,9 +110,10 @@ def comm_options(param, solver_path, comm_flags, ranks):
 def run_training(solver_path, weights=None, snapshot=None, iterations=None, level=0, stages=(),
                  sigint_effect="stop", sighup_effect="snapshot", log_file=None, csv_file=None,
                  comm=None, planner=None, log_all_ranks=False, comm_flags=None,
-                 allow_missing=False):
+                 on_nonfinite="stop", allow_missing=False):
     """`caffepar train`: one process, or one rank of a parallel job when comm has P > 1.
-    `comm_flags`: gradient communication options given on the command line."""
+    `comm_flags`: gradient communication options given on the command line; `on_nonfinite`:
+    stop at a NaN or infinite loss, or continue as Caffe does."""
     from caffepar.io.weights import copy_weights_files
     from caffepar.parallel.comm import LocalComm
     from caffepar.parallel.timeline import Timeline
@@ -205,6 +206,7 @@ def _train(solver, param, snapshot, sigint_effect, sighup_effect, csv_file, rank
     solver.add_callback(on_iteration)
     actions = SignalActions(sigint_effect, sighup_effect).install()
     solver.action_request = actions
+    solver.stop_on_nonfinite = on_nonfinite == "stop"
     LOGGER.info("Starting Optimization")
     try:
         solver.solve(resume_file=snapshot)

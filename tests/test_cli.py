@@ -51,8 +51,8 @@ CASES = {
     "syntax_error": (["--model", BAD / "syntax_error.prototxt"],
                      r"syntax_error.prototxt:13: error: syntax error"),
     "unknown_type": (["--model", BAD / "unknown_type.prototxt"],
-                     r'unknown_type.prototxt:8: error: layer "conv1": unknown layer type '
-                     r'"Convolutoin".*did you mean "Convolution"\?'),
+                     r'unknown_type.prototxt:8: error: unknown layer type: "Convolutoin" '
+                     r'\(layer "conv1", line 8; did you mean "Convolution"\?\)'),
     "unknown_bottom": (["--model", BAD / "unknown_bottom.prototxt"],
                        r'unknown_bottom.prototxt:8: error: layer "conv1".*unknown bottom blob "dta"'),
     "duplicate_top": (["--model", BAD / "duplicate_top.prototxt"],
@@ -68,6 +68,43 @@ CASES = {
                     r"must be > 0, got 0"),
     "missing_model": (["--model", BAD / "no_such.prototxt"], r"no_such.prototxt: error: .*not found"),
 }
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "net.prototxt: error: the net has no layers"),
+    ('name: "only a name"\n', "net.prototxt: error: the net has no layers"),
+    ('layer { name: "x" type: "Input" top: "x" include { phase: TEST }\n'
+     '        input_param { shape { dim: 1 } } }\n',
+     "net.prototxt: error: no layer of the net is in phase TRAIN (level 0)"),
+    ('layer { name: "a" type: "Foo" top: "a" }\n'
+     'layer { name: "b" type: "DepthwiseConvolution" bottom: "a" top: "b" }\n'
+     'layer { name: "c" type: "Foo" bottom: "b" top: "c" }\n',
+     'net.prototxt:1: error: unknown layer types: "Foo" (layer "a", line 1), '
+     '"DepthwiseConvolution" (layer "b", line 2), "Foo" (layer "c", line 3) (known types: '),
+    ('layer { name: "in" type: "Input" top: "data" }\n'
+     'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "y"\n'
+     '        inner_product_param { num_output: 2 } }\n',
+     'net.prototxt:2: error: layer "ip" (InnerProduct): bottom blob "data" has no shape: '
+     'the Input layer that makes it gives none'),
+    ('layer { name: "in" type: "Input" top: "data"\n'
+     '        input_param { shape { dim: 2 dim: 3 dim: 8 dim: 8 } } }\n'
+     'layer { name: "c" type: "Convolution" bottom: "data" top: "y" parallel_mode: MODEL\n'
+     '        convolution_param { num_output: 2 kernel_size: 3 } }\n',
+     'net.prototxt:3: error: layer "c" (Convolution): only InnerProduct layers can run model '
+     'parallel (parallel_mode: MODEL)'),
+    ('layer { name: "in" type: "Input" top: "data"\n'
+     '        input_param { shape { dim: 100000 dim: 3 dim: 1000 dim: 1000 } } }\n',
+     'net.prototxt:1: error: layer "in" (Input): out of memory for top "data": a blob of shape '
+     '(100000, 3, 1000, 1000) needs 2.2 TiB (data and diff)'),
+])
+def test_empty_nets_and_every_unknown_type_at_once(tmp_path, monkeypatch, capsys, text, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "net.prototxt").write_text(text)
+    code, _out, err = run(["time", "--model", "net.prototxt", "--iterations", "1"], capsys)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"caffepar: {message}"), lines
+    assert "did you mean" not in lines[0]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -133,3 +170,51 @@ def test_plan_prints_modes_and_refuses_model_parallel_convolutions(capsys):
     code, out, err = run(["plan", "--model", model, "--model-parallel", "conv1_1"], capsys)
     assert code == 1
     assert 'layer "conv1_1" (Convolution): only InnerProduct layers can run model parallel' in err
+
+
+NAN_NET = """
+layer { name: "data" type: "DummyData" top: "x" top: "label"
+        dummy_data_param { shape { dim: 4 dim: 8 } shape { dim: 4 }
+                           data_filler { type: "gaussian" } data_filler { type: "constant" } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "x" top: "h"
+        inner_product_param { num_output: 8 weight_filler { type: "gaussian" std: 1 } } }
+layer { name: "log" type: "Log" bottom: "h" top: "lh" }
+layer { name: "ip2" type: "InnerProduct" bottom: "lh" top: "y"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "y" bottom: "label" top: "loss" }
+"""
+
+
+def test_nonfinite_loss_stops_naming_the_layer_or_trains_on(tmp_path, monkeypatch, capsys):
+    """log of negative activations: NaN from the first iteration."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "net.prototxt").write_text(NAN_NET)
+    (tmp_path / "solver.prototxt").write_text(
+        'net: "net.prototxt"\nbase_lr: 0.01\nlr_policy: "fixed"\nmax_iter: 4\n'
+        'snapshot: 2\nsnapshot_prefix: "snap"\n')
+    code, _out, err = run(["train", "--solver", "solver.prototxt"], capsys)
+    assert code == 1
+    assert err.strip().splitlines()[-1] == (
+        'caffepar: error: iteration 0: the loss is nan; the first layer with a non-finite '
+        'output is "log" (top "lh"). Stopped before the update, so the last snapshot holds '
+        'finite weights (lower base_lr, or --on-nonfinite continue to train on as Caffe does)')
+    assert not list(tmp_path.glob("snap_iter_*"))
+    code, _out, err = run(["train", "--solver", "solver.prototxt", "--on-nonfinite",
+                           "continue"], capsys)
+    assert code == 0
+    assert "Snapshotting weights that are not all finite (NaN or infinite) at iteration 2" in err
+    assert (tmp_path / "snap_iter_4.caffemodel").exists()
+
+
+def test_convert_info_wires_layers_that_share_a_name(tmp_path, capsys):
+    (tmp_path / "net.prototxt").write_text("""
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 4 } } }
+layer { name: "fc" type: "InnerProduct" bottom: "data" top: "a"
+        inner_product_param { num_output: 3 } }
+layer { name: "fc" type: "InnerProduct" bottom: "a" top: "b"
+        inner_product_param { num_output: 2 } }
+""")
+    code, out, err = run(["convert", "info", str(tmp_path / "net.prototxt")], capsys)
+    assert code == 0, err
+    wiring = [" ".join(l.split()[2:5]) for l in out.splitlines() if l.startswith("fc ")]
+    assert wiring == ["data -> a", "a -> b"]

@@ -75,6 +75,26 @@ def test_planner_auto_reasons():
     assert mode == DATA and why.startswith("parallel_mode: AUTO; predicted comm")
 
 
+def test_rules_leave_a_transposed_inner_product_data_parallel():
+    """MODEL splits the weight by output rows: hybrid's threshold and AUTO run a big
+    transpose: true layer DATA and say why; asking for MODEL stays an error."""
+    from caffepar.errors import NetError
+    from caffepar.parallel.plan import Planner
+    from caffepar.proto import caffe_pb2
+    ip = caffe_pb2.LayerParameter(name="fc", type="InnerProduct")
+    ip.inner_product_param.transpose = True
+    shape = {"fan_in": 25088, "num_output": 4096, "batch": 1}
+    for planner in (Planner("hybrid"), Planner("auto", ranks=2),
+                    Planner("auto", cost_model=CostModel.preset("10gbe"), ranks=2)):
+        mode, why = planner.decide(ip, 25088 * 4096 + 4096, **shape)
+        assert mode == DATA and "MODEL needs transpose: false" in why, why
+    ip.parallel_mode = caffe_pb2.LayerParameter.MODEL
+    planner = Planner("hybrid")
+    mode, _why = planner.decide(ip, 25088 * 4096 + 4096, **shape)
+    with pytest.raises(NetError, match="needs transpose: false"):
+        planner.check(ip, mode, transpose=True)
+
+
 def test_fit_recovers_alpha_and_beta():
     alpha, beta = 3e-6, 0.25e-9
     samples = [(p, n, alpha * hops("allgather", p) + beta * traffic("allgather", p, n))
@@ -194,10 +214,40 @@ layer { name: "fc" type: "InnerProduct" bottom: "x" top: "y"
     assert list(options) == ["plain", "overlap", "overlap+merge", "top-k", "hierarchical"]
     # One small layer: plain = compute 12 ms + its allreduce, as the DATA plan above.
     assert float(options["plain"][0]) == pytest.approx(float(data_line.split()[3]), abs=0.05)
+    assert "Optimal merge (--merge auto): buckets [fc: 0.3 KiB]" in out
     profile.write_text("{}")
     code, _out, err = _run(["plan", "--model", str(net), "--profile-file", str(profile),
                             "--network", "10gbe"], capsys)
     assert code == 1 and "not a caffepar profile" in err
+
+
+def test_time_saves_the_profile_plan_reads(tmp_path, capsys):
+    """`caffepar time --save-profile` writes the per-layer ms it printed; plan takes its
+    compute from them."""
+    from caffepar.timing import load_profile
+    net = tmp_path / "net.prototxt"
+    net.write_text("""
+layer { name: "data" type: "DummyData" top: "x" dummy_data_param { shape { dim: 8 dim: 64 } } }
+layer { name: "fc" type: "InnerProduct" bottom: "x" top: "y"
+        inner_product_param { num_output: 32 } }
+""")
+    profile = tmp_path / "p.json"
+    code, out, _err = _run(["time", "--model", str(net), "--iterations", "2",
+                            "--save-profile", str(profile)], capsys)
+    assert code == 0 and f"Wrote the profile to {profile}" in out
+    doc = load_profile(profile)
+    assert doc["batch"] == 8 and doc["iterations"] == 2
+    assert list(doc["forward_ms"]) == ["data", "fc"]
+    printed = {l.split()[0]: float(l.split()[2]) for l in out.splitlines()
+               if "\tforward:" in l}
+    assert printed == {k: pytest.approx(v, abs=5e-5) for k, v in doc["forward_ms"].items()}
+    code, out, _err = _run(["plan", "--model", str(net), "--np", "8", "--network", "25gbe",
+                            "--profile-file", str(profile)], capsys)
+    total = sum(doc["forward_ms"].values()) + sum(doc["backward_ms"].values())
+    assert code == 0 and f"forward + backward {total:.1f} ms at batch 8 per rank" in out
+    code, _out, err = _run(["time", "--model", str(net), "--np", "2", "--save-profile",
+                            str(profile)], capsys)
+    assert code == 2 and "--save-profile times one process" in err
 
 
 MPIEXEC = find_mpiexec()
@@ -221,6 +271,16 @@ def test_calibrate_writes_a_file_plan_reads(tmp_path):
     proc = subprocess.run(command[:-2] + ["--transport", "tcp", "-o", str(out)],
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2 and "holds a shm calibration" in proc.stderr
+
+
+@needs_mpi
+def test_calibrate_on_one_rank_is_one_line(tmp_path):
+    proc = subprocess.run([MPIEXEC, "-n", "1", sys.executable, "-m", "caffepar.cli",
+                           "calibrate", "-o", str(tmp_path / "c.json")],
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, CAFFEPAR_MPI="1"))
+    assert proc.returncode == 1 and not (tmp_path / "c.json").exists()
+    assert "it needs 2 or more" in proc.stderr.strip().splitlines()[-1]
 
 
 @needs_mpi

@@ -255,3 +255,53 @@ def test_missing_weights_refused_unless_allowed(tmp_path, capsys):
     assert e.value.code == 1 and err.count("\n") == 1
     assert 'layer "conv1" param 0: shape mismatch, the caffemodel has 20 1 5 5 (500), the net ' \
            "expects 96 3 11 11 (34848)" in err
+
+
+STAGED_NET = """
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 6 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"
+        inner_product_param { num_output: 4 } }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+        include { stage: "extra" } inner_product_param { num_output: 3 } }
+"""
+
+
+def test_verify_says_when_caffepars_output_is_not_finite(tmp_path, capsys):
+    net_path = tmp_path / "net.prototxt"
+    net_path.write_text(STAGED_NET)
+    weights = tmp_path / "w.npz"
+    np.savez(weights, **{"ip1/0": np.full((4, 6), np.nan, np.float32),
+                         "ip1/1": np.zeros(4, np.float32)})
+    with pytest.raises(SystemExit) as e:
+        main(["convert", "onnx", str(net_path), str(weights), str(tmp_path / "x.onnx"),
+              "--verify"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and err.count("\n") == 1
+    assert "caffepar's own output 'ip1' is not finite (NaN or infinite) on random input" in err
+
+
+def test_convert_commands_take_the_net_state(tmp_path, capsys):
+    net_path = tmp_path / "net.prototxt"
+    net_path.write_text(STAGED_NET)
+    weights = tmp_path / "w.npz"
+    rng = np.random.RandomState(0)
+    np.savez(weights, **{"ip1/0": rng.randn(4, 6).astype(np.float32),
+                         "ip1/1": np.zeros(4, np.float32),
+                         "ip2/0": rng.randn(3, 4).astype(np.float32),
+                         "ip2/1": np.zeros(3, np.float32)})
+    main_ok = []
+    for args in (["convert", "onnx", str(net_path), str(weights), str(tmp_path / "s.onnx"),
+                  "--stage", "extra", "--verify"],
+                 ["convert", "caffemodel", str(weights), str(net_path),
+                  str(tmp_path / "s.caffemodel"), "--stage", "extra", "--phase", "TEST"],
+                 ["convert", "weights", str(weights), str(tmp_path / "w.caffemodel"),
+                  "--model", str(net_path), "--level", "0", "--stage", "extra"]):
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        main_ok.append(e.value.code)
+    out, err = capsys.readouterr()
+    assert main_ok == [0, 0, 0], err
+    assert "outputs ip2" in out and "verified: onnxruntime matches caffepar" in out
+    from caffepar.io.weights import read_caffemodel
+    for name in ("s.caffemodel", "w.caffemodel"):
+        assert [n for n, _t, _b in read_caffemodel(tmp_path / name).layers][-2:] == ["ip1", "ip2"]

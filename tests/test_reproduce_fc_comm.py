@@ -37,3 +37,29 @@ def test_report_on_synthetic_rows(tmp_path, monkeypatch):
     assert f"shm: {agree} of 48 cells" in text
     assert "fc6 MODEL is 2.0x faster than DATA (paper: 33x)" in text
     assert "AUTO picks the measured faster mode in" in text
+
+
+def test_check_runs_from_the_committed_csv(tmp_path, monkeypatch):
+    """Without this checkout's sweep state the rows come from results/fc_comm.csv, and AUTO's
+    agreement is counted against them."""
+    import csv
+    from caffepar.parallel.cost import CostModel
+    results = tmp_path / "results"
+    results.mkdir()
+    monkeypatch.setattr(fc, "STATE", tmp_path / "no_state")
+    monkeypatch.setattr(fc, "RESULTS", results)
+    with open(results / "fc_comm.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fc.FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for b, data_ms, model_ms in ((1, 100.0, 0.5), (128, 1.0, 50.0)):
+            for mode, ms in (("DATA", data_ms), ("MODEL", model_ms)):
+                w.writerow({"layer": "fc6", "transport": "tcp", "np": 2, "batch": b,
+                            "mode": mode, "comm_ms": ms})
+    rows = fc.read_rows(["tcp"], [2, 4])
+    assert len(rows) == 4 and {r["np"] for r in rows} == {2}
+    # Bandwidth-bound: fc6 MODEL at batch 1 and at batch 128 (2*128*25088 values < K*N).
+    models = {"tcp": CostModel.from_alpha_beta(0.0, 1e-9)}
+    cells = fc.summarize(rows, models)
+    agree, n, _median, _p90 = fc.auto_agreement(cells, "tcp")
+    assert (agree, n) == (1, 2)
+    assert fc.auto_agreement(cells, "shm") is None

@@ -137,8 +137,10 @@ def net_info(model, weights=None, phase=None, level=0, stages=()):
         bshapes = [tuple(net.blob_list[b].shape) for b in net.bottom_ids[i]]
         tshapes = [tuple(net.blob_list[t].shape) for t in net.top_ids[i]]
         params = sum(b.count for b in layer.blobs)
-        layers.append(LayerInfo(layer.name, layer.type, list(net.bottom_names[layer.name]),
-                                list(net.top_names[layer.name]), tshapes, params,
+        # By position: two layers may share a name (Caffe allows it), so not net.bottom_names.
+        layers.append(LayerInfo(layer.name, layer.type,
+                                [net.blob_names[b] for b in net.bottom_ids[i]],
+                                [net.blob_names[t] for t in net.top_ids[i]], tshapes, params,
                                 [tuple(b.shape) for b in layer.blobs],
                                 layer_flops(layer, bshapes, tshapes)))
     # Shared parameters are stored once.

@@ -212,7 +212,7 @@ def net_model(net):
     return CaffeModel(None, layers)
 
 
-def convert_weights(src, dst, model=None, allow_missing=False, phase=None):
+def convert_weights(src, dst, model=None, allow_missing=False, phase=None, level=0, stages=()):
     """Convert weights `src` -> `dst` (format by `dst`'s name). Without `model` the blobs are
     carried over as they are; with a prototxt, they are loaded into that net first (shapes
     checked, missing layers refused unless `allow_missing`) and the net is written, so the
@@ -222,7 +222,7 @@ def convert_weights(src, dst, model=None, allow_missing=False, phase=None):
         return save_weights(weights, dst), None
     from caffepar.graph.net import TEST, Net
     from caffepar.io.weights import save_caffemodel, save_caffemodel_hdf5
-    net = Net(model, phase=TEST if phase is None else phase)
+    net = Net(model, phase=TEST if phase is None else phase, level=level, stages=stages)
     report = load_weights(net, weights, allow_missing=allow_missing)
     fmt = weight_format(dst)
     if fmt == "binary":

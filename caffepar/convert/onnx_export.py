@@ -655,7 +655,8 @@ def _build(net, opset, name):
     return model, current
 
 
-def export_onnx(model, weights, out=None, batch=None, allow_missing=False, opset=DEFAULT_OPSET):
+def export_onnx(model, weights, out=None, batch=None, allow_missing=False, opset=DEFAULT_OPSET,
+                level=0, stages=()):
     """Build `model` (a deploy prototxt) in TEST phase with `weights`, optionally with another
     batch size, and export it; writes `out` when given. Returns an ExportResult."""
     _need_onnx()
@@ -664,9 +665,12 @@ def export_onnx(model, weights, out=None, batch=None, allow_missing=False, opset
     from caffepar.graph.passes import filter_net
     param, smap = load_net_param(model)
     param.state.phase = TEST
+    param.state.level = level
+    del param.state.stage[:]
+    param.state.stage.extend(stages)
     # Refuse before building: a train_val net's data layers would look for their datasets.
     _check_exportable(filter_net(param, smap).layer)
-    net = Net(model, phase=TEST)
+    net = Net(model, phase=TEST, level=level, stages=stages)
     if weights is not None:
         load_weights(net, weights, allow_missing=allow_missing)
     if batch is not None:

@@ -89,6 +89,11 @@ def verify_onnx(result, seed=0, tolerance=1e-4, inputs=None, all_blobs=False):
     for name, value in inputs.items():
         net.blobs[name].data[...] = value
     net.forward_from_to()
+    bad = [n for n in names if not np.isfinite(net.blobs[n].data).all()]
+    if bad:
+        raise CaffeparError(f"caffepar's own output {', '.join(repr(n) for n in bad)} is not "
+                            "finite (NaN or infinite) on random input, so there is nothing to "
+                            "compare onnxruntime with: check the weights (a diverged snapshot?)")
     max_abs, scale = {}, {}
     for name in names:
         ref = net.blobs[name].data

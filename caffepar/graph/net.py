@@ -15,6 +15,7 @@ from caffepar.blob import Blob
 from caffepar.errors import CaffeparError, NetError, PrototxtError
 from caffepar.graph.passes import filter_net, insert_splits
 from caffepar.nn import create_layer
+from caffepar.nn.base import check_layer_types
 from caffepar.proto import caffe_pb2
 from caffepar.proto.text import SourceMap, read_net_text
 from caffepar.proto.upgrade import upgrade_net
@@ -65,7 +66,14 @@ class Net:
         # backward (kind "forward" or "backward"): timelines, gradient reduction during backward.
         self.observers = []
         self.name = param.name
+        if not (param.layer or param.layers):
+            raise NetError("the net has no layers", path=smap.path)
         param = insert_splits(filter_net(param, smap), smap)
+        if not param.layer:
+            stages = f", stages {', '.join(stages)}" if stages else ""
+            raise NetError(f"no layer of the net is in phase {'TRAIN' if phase == TRAIN else 'TEST'}"
+                           f" (level {level}{stages})", path=smap.path)
+        check_layer_types(param.layer, smap)
         self.param = param
         self._build(param)
         if weights is not None:
@@ -74,6 +82,15 @@ class Net:
     # ---------------------------------------------------------------- construction
     def _where(self, layer_param):
         return {"path": self.source_map.path, "line": self.source_map.line_of(layer_param.name)}
+
+    def _check_input_shapes(self, layer_param, bottoms, where):
+        """A layer that failed on a bottom an Input layer left without a shape: say so."""
+        for bid in bottoms:
+            if bid in self.input_ids and self.blob_list[bid].data.ndim == 0:
+                raise NetError(f'bottom blob "{self.blob_names[bid]}" has no shape: the Input '
+                               "layer that makes it gives none (input_param { shape { dim: ... "
+                               "} }), and nothing reshaped it", layer=layer_param.name,
+                               layer_type=layer_param.type, **where)
 
     def _build(self, param):
         self.layers = []
@@ -92,6 +109,11 @@ class Net:
             if not layer_param.HasField("phase"):
                 layer_param.phase = self.phase
             where = self._where(layer_param)
+            if layer_param.HasField("parallel_mode") and layer_param.type != "InnerProduct" and \
+                    layer_param.parallel_mode == caffe_pb2.LayerParameter.MODEL:
+                raise NetError("only InnerProduct layers can run model parallel "
+                               "(parallel_mode: MODEL)", layer=layer_param.name,
+                               layer_type=layer_param.type, **where)
             if layer_param.propagate_down and len(layer_param.propagate_down) != len(layer_param.bottom):
                 raise NetError("propagate_down must be given either 0 or bottom_size times",
                                layer=layer_param.name, layer_type=layer_param.type, **where)
@@ -154,9 +176,14 @@ class Net:
             top_blobs = [self.blob_list[i] for i in tops]
             try:
                 layer.setup(bottom_blobs, top_blobs)
-            except CaffeparError:
-                raise
-            except (ValueError, IndexError) as e:
+            except MemoryError as e:
+                names = "/".join(f'"{self.blob_names[i]}"' for i in tops)
+                raise layer.error(f"out of memory for top {names}: {e}" if str(e) else
+                                  "out of memory") from None
+            except (CaffeparError, ValueError, IndexError) as e:
+                self._check_input_shapes(layer_param, bottoms, where)
+                if isinstance(e, CaffeparError):
+                    raise
                 raise layer.error(str(e)) from None
             specs = layer_param.param
             if len(specs) > len(layer.blobs):

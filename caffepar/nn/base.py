@@ -24,21 +24,50 @@ def register(type_name):
     return wrap
 
 
+def _known(type_name):
+    from caffepar.proto.upgrade import V1_TYPE_NAMES
+    return LAYERS.get(type_name) or LAYERS.get(V1_TYPE_NAMES.get(type_name, ""))
+
+
+def _spelling_of(type_name):
+    """A registered type that `type_name` is a slip of (case, a letter or two), else None:
+    only near-identical names, so that a type caffepar lacks (DepthwiseConvolution,
+    Normalize) is not taken for another one."""
+    lowered = {k.lower(): k for k in LAYERS}
+    if type_name.lower() in lowered:
+        return lowered[type_name.lower()]
+    close = difflib.get_close_matches(type_name, LAYERS, n=1, cutoff=0.85)
+    return close[0] if close else None
+
+
 def layer_class(type_name, layer_name=None, line=None, path=None):
     """The class for a Caffe type string; V1 enum names (CONVOLUTION) are accepted too."""
-    cls = LAYERS.get(type_name)
+    cls = _known(type_name)
     if cls is None:
-        from caffepar.proto.upgrade import V1_TYPE_NAMES
-        cls = LAYERS.get(V1_TYPE_NAMES.get(type_name, ""))
-    if cls is None:
-        close = difflib.get_close_matches(type_name, LAYERS, n=1, cutoff=0.6)
-        if not close:
-            lowered = {k.lower(): k for k in LAYERS}
-            close = [lowered[type_name.lower()]] if type_name.lower() in lowered else []
-        hint = f'did you mean "{close[0]}"?' if close else None
+        close = _spelling_of(type_name)
         raise NetError(f'unknown layer type "{type_name}" (known types: {", ".join(sorted(LAYERS))})',
-                       path=path, line=line, layer=layer_name, hint=hint)
+                       path=path, line=line, layer=layer_name,
+                       hint=f'did you mean "{close}"?' if close else None)
     return cls
+
+
+def check_layer_types(layer_params, source_map=None):
+    """One error naming every layer of unknown type in a net (with its layer and line), rather
+    than stopping at the first."""
+    unknown = [lp for lp in layer_params if _known(lp.type) is None]
+    if not unknown:
+        return
+    path = source_map.path if source_map is not None else None
+    lines = [source_map.line_of(lp.name) if source_map is not None else None for lp in unknown]
+    parts = []
+    for lp, line in zip(unknown, lines):
+        where = f'layer "{lp.name}"' + (f", line {line}" if line else "")
+        close = _spelling_of(lp.type)
+        parts.append(f'"{lp.type}" ({where}' + (f'; did you mean "{close}"?' if close else "")
+                     + ")")
+    kinds = len({lp.type for lp in unknown})
+    raise NetError(f"unknown layer type{'s' if kinds > 1 else ''}: {', '.join(parts)} (known "
+                   f"types: {', '.join(sorted(LAYERS))})", path=path, line=lines[0])
 
 
 class Layer:

@@ -125,14 +125,16 @@ class CostModel:
                    doc.get("info", {}))
 
     def save(self, path):
+        """Write the calibration file (atomically: `calibrate` adds fits to a file users
+        keep, and a crash must not lose the ones already in it)."""
         doc = {"format": FORMAT, "source": self.source, "transport": self.transport,
                "info": self.info,
                "fits": {str(p): {op: {"alpha_s": a, "beta_s_per_byte": b}
                                  for op, (a, b) in ops.items()}
                         for p, ops in sorted(self.fits.items())}}
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+        from caffepar.io.weights import atomic_write
+        text = json.dumps(doc, indent=1) + "\n"
+        atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
     def merged(self, other):
         """This model with `other`'s fits added (a calibration at another P)."""
@@ -194,9 +196,24 @@ def choose_mode(model, fan_in, num_output, batch, ranks, **kw):
     return (MODEL if mp < data else DATA), data, mp
 
 
-def fit_alpha_beta(op, samples):
-    """Least-squares (alpha, beta) >= 0 for one collective from (P, bytes, seconds) samples,
-    weighted by 1/t so that small and large messages count alike."""
+def fit_alpha_beta(op, samples, large=2 ** 20, small=2 ** 16):
+    """(alpha, beta) >= 0 for one collective from (P, bytes, seconds) samples. beta: least
+    squares through the origin over messages of at least `large` bytes (the bandwidth of
+    messages that leave the caches, as the gradients of big layers do); alpha: the median
+    over messages of at most `small` bytes of what beta leaves per hop. With fewer than two
+    large messages, non-negative least squares on the relative error of all of them."""
+    big = [(p, n, t) for p, n, t in samples if n >= large]
+    if len(big) >= 2:
+        x = np.array([traffic(op, p, n) for p, n, _ in big])
+        h = np.array([hops(op, p) for p, _, _ in big])
+        t = np.array([t for _, _, t in big])
+        alpha = 0.0
+        for _ in range(3):          # each estimate refines the other
+            beta = max(float(x @ (t - alpha * h) / (x @ x)), 1e-15)
+            left = [(s - beta * traffic(op, p, n)) / hops(op, p)
+                    for p, n, s in samples if n <= small and hops(op, p)]
+            alpha = max(0.0, float(np.median(left))) if left else 0.0
+        return alpha, beta
     rows = np.array([[hops(op, p), traffic(op, p, n)] for p, n, _ in samples], float)
     t = np.array([s for _, _, s in samples], float)
     w = 1.0 / np.maximum(t, 1e-9)

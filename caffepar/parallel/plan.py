@@ -41,9 +41,19 @@ def comm_elements(fan_in, num_output, batch, ranks):
     return data, model
 
 
-def _rule(layer_param, params, threshold):
+def _data_only(layer_param):
+    """Why the rules (hybrid's threshold, AUTO) must leave a layer DATA, or None."""
     if layer_param.type != "InnerProduct":
-        return DATA, f"{layer_param.type} layers run data parallel"
+        return f"{layer_param.type} layers run data parallel"
+    if layer_param.inner_product_param.transpose:
+        return "transpose: true; MODEL needs transpose: false (it splits the weight by rows)"
+    return None
+
+
+def _rule(layer_param, params, threshold):
+    why = _data_only(layer_param)
+    if why:
+        return DATA, why
     if params > threshold:
         return MODEL, f"{params:,} parameters > threshold {threshold:,}"
     return DATA, f"{params:,} parameters <= threshold {threshold:,}"
@@ -82,8 +92,9 @@ class Planner:
         return _rule(layer_param, params, self.threshold)
 
     def _auto(self, layer_param, params, fan_in, num_output, batch):
-        if layer_param.type != "InnerProduct":
-            return DATA, f"{layer_param.type} layers run data parallel"
+        why = _data_only(layer_param)
+        if why:
+            return DATA, why
         if self.cost_model is None or not (fan_in and num_output and batch):
             mode, why = _rule(layer_param, params, self.threshold)
             return mode, f"no calibration or network given, threshold rule: {why}"

@@ -43,7 +43,6 @@ def model_iteration(forward_s, backward_s, update_s, buckets, comm_s, prepare_s=
     while layer >= 0:
         clock += backward_s[layer]
         layer -= 1
-    backward_end = clock
     if not overlap:
         for n, b in enumerate(buckets):
             clock += prepare_s(b)

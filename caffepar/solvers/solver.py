@@ -414,6 +414,8 @@ class Solver:
             for _ in range(p.iter_size):
                 loss += np.float32(self._forward_backward(debug))
             loss = np.float32(loss / p.iter_size)
+            if self.stop_on_nonfinite and not np.isfinite(loss):
+                raise SolverError(self._nonfinite_report(loss))
             self._update_smoothed_loss(loss, start_iter, average_loss)
             if display:
                 lapse = time.perf_counter() - timer
@@ -610,10 +612,30 @@ class Solver:
     def snapshot_filename(self, extension):
         return f"{self.snapshot_prefix}_iter_{self.iter}{extension}"
 
+    #: Stop at a loss that is NaN or infinite (`caffepar train`; Caffe, and so pycaffe's
+    #: Solver, trains on).
+    stop_on_nonfinite = False
+
+    def _nonfinite_report(self, loss):
+        """Where the loss went non-finite: the first layer (in forward order) with a top that
+        is not finite."""
+        net = self.net
+        first = next(((net._layer_names[i], net.blob_names[t])
+                      for i in range(len(net.layers)) for t in net.top_ids[i]
+                      if not np.isfinite(net.blob_list[t].data).all()), None)
+        where = (f'the first layer with a non-finite output is "{first[0]}" (top "{first[1]}")'
+                 if first else "every layer's output is finite")
+        return (f"iteration {self.iter}: the loss is {loss}; {where}. Stopped before the "
+                "update, so the last snapshot holds finite weights (lower base_lr, or "
+                "--on-nonfinite continue to train on as Caffe does)")
+
     def snapshot(self):
         """Caffe's Snapshot: the weights, then the solver state; both written atomically.
         Returns (model path, state path)."""
         p = self.param
+        if not np.isfinite(self.net.param_data).all():
+            log.warning("Snapshotting weights that are not all finite (NaN or infinite) at "
+                        "iteration %d", self.iter)
         arrays = self.snapshot_blob_arrays()
         if p.snapshot_format == HDF5:
             model = self.snapshot_filename(".caffemodel.h5")
