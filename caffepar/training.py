@@ -151,7 +151,8 @@ def run_training(solver_path, weights=None, snapshot=None, iterations=None, leve
                 LOGGER.info(f"Finetuning from {path}")
             for net in [solver.net] + list(solver.test_nets):
                 copy_weights_files(net, paths, allow_missing=allow_missing)
-        solver = _train(solver, param, snapshot, sigint_effect, sighup_effect, csv_file, rank)
+        solver = _train(solver, param, snapshot, sigint_effect, sighup_effect, csv_file, rank,
+                        on_nonfinite)
     finally:
         lock.release()
     if timeline is not None and timeline.write(options.timeline):
@@ -172,7 +173,8 @@ def _remove_stale_temp_files(paths):
                     f"interrupted write: {', '.join(os.path.basename(p) for p in paths)}")
 
 
-def _train(solver, param, snapshot, sigint_effect, sighup_effect, csv_file, rank):
+def _train(solver, param, snapshot, sigint_effect, sighup_effect, csv_file, rank,
+           on_nonfinite):
     """The solver's run with signals, the CSV and the progress bar attached."""
     start_iter = solver.iter
     csv = CsvWriter(csv_file or f"{solver.snapshot_prefix}_log.csv") if rank == 0 else None
