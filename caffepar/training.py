@@ -45,10 +45,13 @@ class SignalActions:
 class ProgressBar:
     """A one-line bar on a terminal's stderr, redrawn under the log lines."""
 
-    def __init__(self, total, stream=sys.stderr, enabled=True):
+    def __init__(self, total, stream=None, enabled=True):
         self.total = max(total, 1)
-        self.stream = stream
-        self.enabled = enabled and stream.isatty()
+        self.stream = stream if stream is not None else sys.stderr
+        try:
+            self.enabled = enabled and self.stream.isatty()
+        except (ValueError, AttributeError):
+            self.enabled = False
         self.line = ""
 
     def clear(self):

@@ -72,7 +72,8 @@ class Run:
     """`caffepar train` in its own process group, its merged output collected as it comes."""
 
     def __init__(self, folder, ranks=2, args=()):
-        env = dict(os.environ, PYTHONPATH=str(HERE / "mpi"), OPENBLAS_NUM_THREADS="1",
+        path = os.pathsep.join(filter(None, [str(HERE / "mpi"), os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONPATH=path, OPENBLAS_NUM_THREADS="1",
                    OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "caffepar.cli", "train", "--solver", "solver.prototxt"]
         cmd += (["--np", str(ranks)] if ranks > 1 else []) + [str(a) for a in args]

@@ -71,14 +71,16 @@ def encode_resume_state(rng_state, data_states, test_states=()):
 
 # ------------------------------------------------------------------------------- binary
 def write_binary(path, state):
-    """Write a SolverState atomically: iter, learned_net, history as Caffe orders them, then
-    top-k's state, then current_step and our resume fields."""
+    """Write a SolverState atomically: our history count first (so a cut anywhere after the
+    first bytes is seen), iter, learned_net, history as Caffe orders them, then top-k's state,
+    then current_step and our resume fields."""
+    count = caffe_pb2.SolverState()
+    if state.rng_state is not None:
+        count.history_count = len(state.history)
     head = caffe_pb2.SolverState()
     head.iter = int(state.iter)
     if state.learned_net is not None:
         head.learned_net = state.learned_net
-    if state.rng_state is not None:
-        head.history_count = len(state.history)
     tail = caffe_pb2.SolverState()
     tail.current_step = int(state.current_step)
     tail.data_position.extend(int(p) for p in state.data_position)
@@ -93,6 +95,7 @@ def write_binary(path, state):
                 f.write(p)
 
     def write(f):
+        f.write(count.SerializeToString())
         f.write(head.SerializeToString())
         write_blobs(f, STATE_HISTORY, state.history)
         write_blobs(f, STATE_RESIDUAL, state.gradient_residual)
@@ -106,6 +109,9 @@ def write_binary(path, state):
 def read_binary(path):
     with open(path, "rb") as f:
         buf = f.read()
+    if not buf:
+        raise SolverError("empty solver state (cut short while being written or copied?)",
+                          path=path)
     rest = bytearray()
     blobs = {number: [] for number in _STREAMED}
     msg = caffe_pb2.SolverState()
