@@ -36,6 +36,7 @@ EXTENSIONS = {
     ("caffe.SolverState", "rng_state"): 1001,
     ("caffe.SolverState", "gradient_residual"): 1002,
     ("caffe.SolverState", "gradient_threshold"): 1003,
+    ("caffe.SolverState", "history_count"): 1004,
     ("caffe.SolverParameter", "comm_param"): 1000,
 }
 EXTENSION_ENUMS = {"caffe.LayerParameter.ParallelMode"}
