@@ -238,6 +238,22 @@ def test_sighup_snapshots_and_goes_on_as_one_process(tmp_path, run, ranks):
     assert len(snapshots(tmp_path)) == 2
 
 
+def test_one_signal_reaching_ranks_at_different_iterations_is_one_snapshot(tmp_path, run):
+    job = run(workdir(tmp_path))
+    pids = job.rank_pids()
+    job.wait_for("Iteration 20,")
+    os.kill(pids[0][0], signal.SIGHUP)
+    first = wait_until(lambda: snapshots(tmp_path), 30)
+    assert len(first) == 1
+    job.wait_for(f"Iteration {first[0] + 20 - first[0] % 10},")
+    os.kill(pids[1][0], signal.SIGHUP)      # the same signal, late on rank 1
+    job.wait_for(f"Iteration {first[0] + 40 - first[0] % 10},")
+    assert snapshots(tmp_path) == first
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.finish(60) == 0, job.output
+    assert len(snapshots(tmp_path)) == 2
+
+
 def test_sigterm_to_launcher_ends_every_process_with_a_snapshot(tmp_path, run):
     job = run(workdir(tmp_path))
     job.wait_for("Iteration 20,")

@@ -164,7 +164,7 @@ class Comm:
     def bcast_object(self, obj, root=0):
         return obj
 
-    def allreduce_scalar(self, value):
+    def allreduce_scalar(self, value, op="sum"):
         return value
 
     def gatherv(self, send, recv, counts, root=0, tag=""):
@@ -239,10 +239,12 @@ class MpiComm(Comm):
             return obj
         return self._watched("", "bcast", lambda: self.comm.bcast(obj, root=root))
 
-    def allreduce_scalar(self, value):
+    def allreduce_scalar(self, value, op="sum"):
+        """`value` summed (or, op="max", the largest) over the ranks."""
         if self.size == 1:
             return value
-        return self._watched("", "allreduce", lambda: self.comm.allreduce(value, op=self.MPI.SUM))
+        mpi_op = {"sum": self.MPI.SUM, "max": self.MPI.MAX}[op]
+        return self._watched("", "allreduce", lambda: self.comm.allreduce(value, op=mpi_op))
 
     def gatherv(self, send, recv, counts, root=0, tag=""):
         if self.size == 1:

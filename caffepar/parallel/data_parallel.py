@@ -93,6 +93,8 @@ class ParallelSolverMixin:
                  options=None, timeline=None):
         self.comm = comm
         self.planner = planner
+        self._snapshot_requests = self._snapshots_done = 0
+        self._stop_requested = False
         super().__init__(param, source=source, base_dir=base_dir)
         net = self.net
         # Same seed everywhere built identical nets; from here on each rank draws its own
@@ -132,12 +134,26 @@ class ParallelSolverMixin:
         owners = [net.param_layer_index[n] for n, o in enumerate(net.param_owner) if o < 0]
         return [(net.layers[i], k) for i, k in owners]
 
+    STOP = 1 << 30
+
     def requested_action(self):
-        """Signals reach ranks at different moments: every rank acts on the union of requests."""
+        """One signal, sent to every rank, reaches them at different iterations. Each rank
+        counts the snapshot requests it has had; the job snapshots when the largest count
+        grows (so one SIGHUP is one snapshot, not one per rank) and stops when any rank was
+        asked to stop."""
         local = super().requested_action()
-        code = {"none": 0, "snapshot": 1, "stop": 1000}[local]
-        total = int(self.comm.allreduce_scalar(code))
-        return "stop" if total >= 1000 else "snapshot" if total else "none"
+        if local == "snapshot":
+            self._snapshot_requests += 1
+        elif local == "stop":
+            self._stop_requested = True
+        mine = self._snapshot_requests + (self.STOP if self._stop_requested else 0)
+        most = int(self.comm.allreduce_scalar(mine, op="max"))
+        if most >= self.STOP:
+            return "stop"
+        if most > self._snapshots_done:
+            self._snapshots_done = most
+            return "snapshot"
+        return "none"
 
     # ---- one iteration
     def _forward_backward(self, debug):
