@@ -5,6 +5,7 @@ from once parsed; the source map kept here lets later, semantic errors (unknown 
 kernel size) name the file and line of the offending layer.
 """
 import os
+import re
 from dataclasses import dataclass, field
 
 from google.protobuf import message as pb_message
@@ -27,47 +28,60 @@ class SourceMap:
         return self.by_name.get(layer_name)
 
 
-def _top_level_field_lines(text, names):
-    """Line numbers (1-based) of each top-level occurrence of the named message fields."""
-    found = {name: [] for name in names}
-    depth = 0
-    line = 1
-    i = 0
-    n = len(text)
-    while i < n:
-        c = text[i]
-        if c == "\n":
-            line += 1
-            i += 1
-        elif c == "#":
-            j = text.find("\n", i)
-            i = n if j < 0 else j
-        elif c in "\"'":
-            j = i + 1
-            while j < n and text[j] != c:
-                if text[j] == "\\":
-                    j += 1
-                elif text[j] == "\n":
-                    line += 1
-                j += 1
-            i = j + 1
-        elif c in "{<":
+# Braces, strings (to the line's end when unterminated) and comments: all a scan needs to know
+# the nesting depth.
+_DEPTH_TOKEN = re.compile(r"""[{}<>]|"(?:[^"\\\n]|\\.)*"?|'(?:[^'\\\n]|\\.)*'?|#[^\n]*""")
+_SPACE = " \t\r\n"
+_WORD = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_"
+
+
+def _top_level_messages(text):
+    """(field name, offset, line) of each message-valued field at the top level, in order, from
+    one regex pass; stops early (returning what it found, and False) at a brace that does not
+    balance, leaving that text to the parser to report."""
+    found, depth, line, counted = [], 0, 1, 0
+    for token in _DEPTH_TOKEN.finditer(text):
+        c = token.group()
+        if c in "{<":
+            if depth == 0:
+                window = max(0, token.start() - 200)
+                before = text[window:token.start()].rstrip(_SPACE)
+                before = before[:-1].rstrip(_SPACE) if before.endswith(":") else before
+                name = before[len(before.rstrip(_WORD)):]
+                if name and not name[0].isdigit():
+                    offset = window + len(before) - len(name)
+                    line += text.count("\n", counted, offset)
+                    counted = offset
+                    found.append((name, offset, line))
             depth += 1
-            i += 1
         elif c in "}>":
             depth -= 1
-            i += 1
-        elif depth == 0 and (c.isalpha() or c == "_"):
-            j = i
-            while j < n and (text[j].isalnum() or text[j] == "_"):
-                j += 1
-            word = text[i:j]
-            if word in found:
-                found[word].append(line)
-            i = j
-        else:
-            i += 1
-    return found
+            if depth < 0:
+                return found, False
+    return found, depth == 0
+
+
+def _top_level_field_lines(text, names):
+    """Line numbers (1-based) of each top-level occurrence of the named message fields."""
+    out = {name: [] for name in names}
+    for name, _offset, line in _top_level_messages(text)[0]:
+        if name in out:
+            out[name].append(line)
+    return out
+
+
+#: The largest prototxt read, in MB ($CAFFEPAR_MAX_PROTOTXT_MB overrides). A parsed net takes
+#: about eight times its text's size in memory (a 200 MB text parses in about a minute and
+#: 1.6 GB); beyond this a file is far more likely a mistake than a net.
+MAX_PROTOTXT_MB = 512
+
+
+def max_prototxt_bytes():
+    value = os.environ.get("CAFFEPAR_MAX_PROTOTXT_MB")
+    try:
+        return int(float(value) * 2 ** 20) if value else MAX_PROTOTXT_MB * 2 ** 20
+    except ValueError:
+        raise PrototxtError(f"CAFFEPAR_MAX_PROTOTXT_MB={value!r} is not a number") from None
 
 
 def read_text(path):
@@ -76,6 +90,11 @@ def read_text(path):
         raise MissingFileError(path)
     if os.path.isdir(path):
         raise PrototxtError("is a directory, expected a prototxt file", path=path)
+    size, limit = os.path.getsize(path), max_prototxt_bytes()
+    if size > limit:
+        raise PrototxtError(f"{size / 2 ** 20:.0f} MB is more than the {limit / 2 ** 20:.0f} MB "
+                            "a prototxt may have (a parsed net takes about 8x its text in "
+                            "memory); set CAFFEPAR_MAX_PROTOTXT_MB to read it anyway", path=path)
     with open(path, "rb") as f:
         raw = f.read()
     try:
@@ -84,8 +103,48 @@ def read_text(path):
         raise PrototxtError("is not a text prototxt (binary content)", path=path)
 
 
-def parse_text(text, message, path="<string>"):
-    """Merge prototxt `text` into `message`; syntax errors become PrototxtError with file:line."""
+#: Texts longer than this are parsed a part at a time (see parse_text).
+CHUNK_CHARS = 4 << 20
+
+
+def parse_text(text, message, path="<string>", chunk_chars=CHUNK_CHARS):
+    """Merge prototxt `text` into `message`; syntax errors become PrototxtError with file:line.
+
+    Protobuf's text parser holds a tokenized copy of its whole input, many times its size. A
+    long text (a net of many thousand layers) is merged instead a few MB at a time, cut where
+    a top-level message field starts a line, so memory stays that of the text and the message,
+    time stays linear, and the log shows progress."""
+    if len(text) <= chunk_chars:
+        return _merge(text, message, path, 1)
+    parts = _parts(text, chunk_chars)
+    from caffepar.logs import LOGGER
+    LOGGER.info("Parsing %s (%.0f MB) in %d parts", path, len(text) / 1e6, len(parts))
+    shown = 0
+    for start, end, line in parts:
+        _merge(text[start:end], message, path, line)
+        if 10 * end // len(text) > shown:
+            shown = 10 * end // len(text)
+            LOGGER.info("Parsing %s: %d%%", path, 10 * shown)
+    return message
+
+
+def _parts(text, chunk_chars):
+    """(start, end, first line) of consecutive pieces of about chunk_chars each, each cut at the
+    start of a line where a top-level message field begins (a top-level field is merged the
+    same whether it comes alone or with the rest)."""
+    fields, _balanced = _top_level_messages(text)
+    parts, start, line = [], 0, 1
+    for _name, offset, field_line in fields:
+        begin = text.rfind("\n", 0, offset) + 1
+        if offset - start < chunk_chars or text[begin:offset].strip():
+            continue
+        parts.append((start, begin, line))
+        start, line = begin, field_line
+    parts.append((start, len(text), line))
+    return parts
+
+
+def _merge(text, message, path, first_line):
     try:
         text_format.Merge(text, message, allow_unknown_field=False)
     except text_format.ParseError as e:
@@ -98,6 +157,8 @@ def parse_text(text, message, path="<string>"):
             msg = rest
         if line is not None and col is not None:
             msg = f"column {col}: {msg}"
+        if line is not None:
+            line += first_line - 1
         raise PrototxtError(f"syntax error: {msg}", path=path, line=line) from None
     return message
 

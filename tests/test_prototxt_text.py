@@ -1,0 +1,112 @@
+"""Reading prototxts: a long text is merged in parts with the same result as in one piece, its
+errors keep their file:line, progress is logged, every layer's line is found, and a file over
+the size limit is refused in one line."""
+import logging
+
+import pytest
+from google.protobuf import text_format
+
+from caffepar.errors import PrototxtError
+from caffepar.proto import caffe_pb2
+from caffepar.proto.text import _top_level_field_lines, parse_text, read_net_text
+
+HEAD = """# a net written the many ways text format allows
+name: "long"
+input: "data"
+input_shape { dim: 1 dim: 3 dim: 8 dim: 8 }
+"""
+
+LAYERS = [
+    'layer {{\n  name: "conv{i}"  # a comment with {{ and "\n  type: "Convolution"\n'
+    '  bottom: "{b}" top: "conv{i}"\n  convolution_param {{ num_output: 4 kernel_size: 3 '
+    'pad: 1 weight_filler {{ type: "xavier" }} }}\n}}\n',
+    'layer <\n  name: "relu{i}" type: "ReLU" bottom: "conv{i}" top: "conv{i}"\n>\n',
+    'layer: {{ name: "pool{i}" type: "Pooling" bottom: "conv{i}" top: "pool{i}" '
+    "pooling_param {{ pool: MAX kernel_size: 1 }} }} "
+    'layer {{ name: "id{i}" type: "Split" bottom: "pool{i}" top: "s{i}" }}\n',
+    "layer\n{{\n  name: 'drop{i}' type: 'Dropout' bottom: \"s{i}\" top: 's{i}'\n"
+    '  dropout_param {{ dropout_ratio: 0.25 }}\n}}\n',
+]
+
+
+def long_text(blocks):
+    parts, bottom = [HEAD], "data"
+    for i in range(blocks):
+        for piece in LAYERS:
+            parts.append(piece.format(i=i, b=bottom))
+        bottom = f"s{i}"
+    return "".join(parts)
+
+
+def test_merged_in_parts_equals_one_piece(caplog):
+    text = long_text(300)
+    whole = text_format.Merge(text, caffe_pb2.NetParameter())
+    caplog.set_level(logging.INFO, logger="caffepar")
+    parts = parse_text(text, caffe_pb2.NetParameter(), "long.prototxt", chunk_chars=2000)
+    assert len(parts.layer) == 300 * 5
+    assert parts.SerializeToString() == whole.SerializeToString()
+    progress = [r.getMessage() for r in caplog.records if "Parsing long.prototxt" in
+                r.getMessage()]
+    assert progress[0].startswith("Parsing long.prototxt (0 MB) in ")
+    assert int(progress[0].split(" in ")[1].split()[0]) > 50       # parts
+    assert progress[-1] == "Parsing long.prototxt: 100%" and len(progress) <= 12
+
+
+def test_every_layer_line_is_found():
+    text = long_text(20)
+    lines = _top_level_field_lines(text, ("layer", "layers"))["layer"]
+    expected = []
+    for number, line in enumerate(text.split("\n"), 1):
+        stripped = line.lstrip()
+        if stripped.startswith("layer"):
+            expected.append(number)
+        if ' layer {' in line:          # two layers on one line
+            expected.append(number)
+    assert lines == expected
+
+
+@pytest.mark.parametrize("chunk_chars", [2000, 1 << 30])
+def test_an_error_deep_in_a_long_text_names_its_line(tmp_path, chunk_chars):
+    text = long_text(200)
+    lines = text.split("\n")
+    target = len(lines) * 3 // 4
+    while "type:" not in lines[target]:
+        target += 1
+    lines[target] = lines[target].replace("type:", "tpye:")
+    path = tmp_path / "long.prototxt"
+    path.write_text("\n".join(lines))
+    with pytest.raises(PrototxtError) as info:
+        read_net_text(path) if chunk_chars > 1e6 else \
+            parse_text(path.read_text(), caffe_pb2.NetParameter(), str(path),
+                       chunk_chars=chunk_chars)
+    assert info.value.line == target + 1
+    assert f"long.prototxt:{target + 1}: error: syntax error: column " in str(info.value)
+    assert '"tpye"' in str(info.value)
+
+
+def test_unbalanced_braces_are_left_to_the_parser(tmp_path):
+    text = long_text(50)
+    cut = text.rfind("}")
+    broken = text[:cut] + text[cut + 1:] + "\n} }\n"
+    with pytest.raises(PrototxtError, match="syntax error"):
+        parse_text(broken, caffe_pb2.NetParameter(), "b.prototxt", chunk_chars=500)
+    stray = "} " + text
+    with pytest.raises(PrototxtError) as info:
+        parse_text(stray, caffe_pb2.NetParameter(), "s.prototxt", chunk_chars=500)
+    assert info.value.line == 1
+
+
+def test_a_file_over_the_limit_is_refused_in_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "big.prototxt"
+    path.write_text(long_text(200))         # about 0.1 MB
+    monkeypatch.setenv("CAFFEPAR_MAX_PROTOTXT_MB", "0.05")
+    with pytest.raises(PrototxtError) as info:
+        read_net_text(path)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message
+    assert "more than the 0 MB" in message and "CAFFEPAR_MAX_PROTOTXT_MB" in message
+    monkeypatch.setenv("CAFFEPAR_MAX_PROTOTXT_MB", "1")
+    assert len(read_net_text(path)[0].layer) == 1000
+    monkeypatch.setenv("CAFFEPAR_MAX_PROTOTXT_MB", "lots")
+    with pytest.raises(PrototxtError, match="CAFFEPAR_MAX_PROTOTXT_MB='lots' is not a number"):
+        read_net_text(path)
