@@ -693,7 +693,9 @@ def _report_conversion(fmt, report, out):
 @click.option("--verify", is_flag=True,
               help="Run the export in onnxruntime on random input and compare with caffepar.")
 @click.option("--batch", default=None, type=click.IntRange(min=1),
-              help="Batch size of the exported graph (default: the prototxt's).")
+              help="Fix the exported graph's batch size (default: free, any batch).")
+@click.option("--dynamic-spatial", is_flag=True,
+              help="Free height and width too (fully convolutional nets).")
 @click.option("--opset", default=None, type=click.IntRange(13, 17),
               help="ONNX opset (default 17).")
 @click.option("--allow-missing", is_flag=True,
@@ -702,24 +704,39 @@ def _report_conversion(fmt, report, out):
               show_default=True, help="An exported net runs inference: TEST only.")
 @click.option("--level", default=0, type=int, help="Net state level.")
 @click.option("--stage", multiple=True, help="Net state stage (repeatable).")
-def convert_onnx(model, weights, out, verify, batch, opset, allow_missing, phase, level, stage):
+def convert_onnx(model, weights, out, verify, batch, dynamic_spatial, opset, allow_missing,
+                 phase, level, stage):
     """Deploy net MODEL with WEIGHTS -> OUT.onnx (TEST phase; inputs/outputs keep Caffe's
-    blob names)."""
+    blob names; the batch size free unless --batch fixes it)."""
     from caffepar.convert.onnx_export import DEFAULT_OPSET, export_onnx
     result = export_onnx(model, weights, out, batch=batch, allow_missing=allow_missing,
-                         opset=opset or DEFAULT_OPSET, level=level, stages=stage)
-    shapes = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in result.inputs.items())
+                         opset=opset or DEFAULT_OPSET, level=level, stages=stage,
+                         dynamic_spatial=dynamic_spatial)
+    shapes = ", ".join(f"{i.name} {_dims(i)}" for i in result.model.graph.input)
     click.echo(f"wrote {out}: inputs {shapes}; outputs {', '.join(result.outputs)}")
+    if result.note:
+        click.echo(f"note: {result.note}")
     if verify:
         from caffepar.convert.verify import verify_onnx
-        check = verify_onnx(result)
-        for line in check.lines():
-            click.echo(line)
-        if not check.ok:
-            from caffepar.errors import CaffeparError
-            raise CaffeparError(f"onnxruntime and caffepar differ by more than "
-                                f"{check.tolerance:g}", path=out)
-        click.echo("verified: onnxruntime matches caffepar")
+        sizes = [result.inputs] + ([result.other_inputs] if result.other_inputs else [])
+        for input_shapes in sizes:
+            check = verify_onnx(result, input_shapes=input_shapes)
+            click.echo("at " + ", ".join(f"{n} {'x'.join(map(str, s))}"
+                                         for n, s in input_shapes.items()) + ":")
+            for line in check.lines():
+                click.echo("  " + line)
+            if not check.ok:
+                from caffepar.errors import CaffeparError
+                raise CaffeparError(f"onnxruntime and caffepar differ by more than "
+                                    f"{check.tolerance:g}", path=out)
+        click.echo("verified: onnxruntime matches caffepar" +
+                   (" at both sizes" if len(sizes) > 1 else ""))
+
+
+def _dims(value_info):
+    """An ONNX input's shape as `batchx3x32x32`."""
+    return "x".join(str(d.dim_value or d.dim_param or "?")
+                    for d in value_info.type.tensor_type.shape.dim)
 
 
 def _planner(default_mode, model_parallel, mp_threshold, cost_model=None, ranks=1):

@@ -65,6 +65,11 @@ def test_golden_layer_case_matches_caffe_in_onnxruntime(case, tmp_path):
                          tmp_path / "m.onnx")
     inputs = {k: v.astype(np.float32) for k, v in np.load(d / "inputs.npz").items()}
     v = check(result, inputs=inputs)
+    # The batch is free: one more sample, and caffepar at that batch agrees too.
+    assert result.note is None and result.other_inputs
+    more = {k: x if result.other_inputs[k] == x.shape else
+            np.concatenate([x, 0.5 * x[:1] + 0.25]) for k, x in inputs.items()}
+    check(result, inputs=more)
     # And against BVLC Caffe's own recorded outputs.
     import onnxruntime as ort
     session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
@@ -305,3 +310,129 @@ def test_convert_commands_take_the_net_state(tmp_path, capsys):
     from caffepar.io.weights import read_caffemodel
     for name in ("s.caffemodel", "w.caffemodel"):
         assert [n for n, _t, _b in read_caffemodel(tmp_path / name).layers][-2:] == ["ip1", "ip2"]
+
+
+# ------------------------------------------------------------------------ free batch / size
+FCN = """
+name: "tiny_fcn"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 dim: 21 dim: 19 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "xavier" }
+                            bias_filler { type: "uniform" } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+        pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 } }
+layer { name: "pool2" type: "Pooling" bottom: "pool1" top: "pool2"
+        pooling_param { pool: AVE kernel_size: 3 stride: 2 } }
+layer { name: "score" type: "Convolution" bottom: "pool2" top: "score"
+        convolution_param { num_output: 5 kernel_size: 1 weight_filler { type: "xavier" } } }
+layer { name: "up" type: "Deconvolution" bottom: "score" top: "up"
+        convolution_param { num_output: 5 kernel_size: 8 stride: 4 bias_term: false
+                            weight_filler { type: "bilinear" } } }
+layer { name: "crop" type: "Crop" bottom: "up" bottom: "data" top: "crop"
+        crop_param { axis: 2 offset: 2 } }
+layer { name: "flat" type: "Reshape" bottom: "crop" top: "flat"
+        reshape_param { shape { dim: 0 dim: 0 dim: -1 } } }
+layer { name: "prob" type: "Softmax" bottom: "flat" top: "prob" }
+"""
+
+
+def _dims(value_info):
+    return [d.dim_param or d.dim_value or None for d in value_info.type.tensor_type.shape.dim]
+
+
+def test_batch_is_free_by_default_and_any_batch_matches_caffepar(tmp_path):
+    result = export_onnx(ROOT / "models/cifar10_quick/deploy.prototxt", None, tmp_path / "c.onnx",
+                         allow_missing=True)
+    graph = result.model.graph
+    assert _dims(graph.input[0]) == ["batch", 3, 32, 32]
+    assert _dims(graph.output[0]) == ["batch", 10]
+    assert result.note is None
+    for batch in (1, 3, 7):
+        check(result, all_blobs=True, inputs={"data": np.random.RandomState(batch).randn(
+            batch, 3, 32, 32).astype(np.float32)})
+    assert result.net.blobs["data"].shape == (1, 3, 32, 32)     # put back after each check
+
+
+def test_batch_option_fixes_the_batch(tmp_path):
+    result = export_onnx(ROOT / "models/cifar10_quick/deploy.prototxt", None, tmp_path / "c.onnx",
+                         allow_missing=True, batch=4)
+    assert _dims(result.model.graph.input[0]) == [4, 3, 32, 32]
+    assert _dims(result.model.graph.output[0]) == [4, 10]
+    assert result.other_inputs == {}
+    import onnxruntime as ort
+    session = ort.InferenceSession(str(tmp_path / "c.onnx"), providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception, match="(?i)dimension|shape"):
+        session.run(None, {"data": np.zeros((2, 3, 32, 32), np.float32)})
+
+
+def test_dynamic_spatial_fully_convolutional_net_at_two_sizes(tmp_path):
+    path = tmp_path / "fcn.prototxt"
+    path.write_text(FCN)
+    result = export_onnx(path, None, tmp_path / "fcn.onnx", allow_missing=True,
+                         dynamic_spatial=True)
+    assert _dims(result.model.graph.input[0]) == ["batch", 3, "data_height", "data_width"]
+    out = _dims(result.model.graph.output[0])
+    assert out[0] == "batch" and out[1] == 5 and out[2] is None
+    rng = np.random.RandomState(0)
+    for shape in [(2, 3, 21, 19), (1, 3, 32, 32), (3, 3, 17, 26), (1, 3, 40, 9)]:
+        check(result, all_blobs=True, inputs={"data": rng.randn(*shape).astype(np.float32)},
+              tolerance=1e-5)
+    nodes = {n.op_type for n in result.model.graph.node}
+    assert {"Shape", "Gather"} <= nodes           # Crop's size read from the data blob
+    # Without the flag the height and width stay fixed.
+    fixed = export_onnx(path, None, allow_missing=True)
+    assert _dims(fixed.model.graph.input[0]) == ["batch", 3, 21, 19]
+
+
+def test_dynamic_spatial_refuses_a_net_with_fixed_size_naming_the_layer(tmp_path, capsys):
+    with pytest.raises(OnnxExportError) as info:
+        export_onnx(ROOT / "models/cifar10_quick/deploy.prototxt", None, allow_missing=True,
+                    dynamic_spatial=True)
+    assert 'layer "ip1" (InnerProduct)' in str(info.value)
+    assert "height and width free" in str(info.value) and "\n" not in str(info.value)
+    narrow = tmp_path / "narrow.prototxt"
+    narrow.write_text(FCN.replace("pool: AVE kernel_size: 3 stride: 2", "pool: AVE kernel_size: 1 stride: 2"))
+    with pytest.raises(OnnxExportError, match='"pool2".*narrower than their stride'):
+        export_onnx(narrow, None, allow_missing=True, dynamic_spatial=True)
+
+
+def test_a_net_that_ties_its_batch_is_exported_at_its_own_saying_why(tmp_path, capsys):
+    path = tmp_path / "tied.prototxt"
+    path.write_text(FCN.replace("shape { dim: 0 dim: 0 dim: -1 }", "shape { dim: 2 dim: 5 dim: -1 }"))
+    result = export_onnx(path, None, allow_missing=True)
+    assert _dims(result.model.graph.input[0]) == [2, 3, 21, 19]
+    assert result.note.startswith("the batch size is fixed at 2: ") and '"flat"' in result.note
+    check(result)
+    with pytest.raises(SystemExit) as e:
+        main(["convert", "onnx", str(path), str(_zero_weights(tmp_path, result.net)),
+              str(tmp_path / "t.onnx"), "--verify"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 0, err
+    assert "note: the batch size is fixed at 2" in out and "at both sizes" not in out
+
+
+def _zero_weights(tmp_path, net):
+    path = tmp_path / "w.caffemodel"
+    net.save(str(path))
+    return path
+
+
+def test_cli_dynamic_spatial_verifies_two_sizes(tmp_path, capsys):
+    path = tmp_path / "fcn.prototxt"
+    path.write_text(FCN)
+    net = Net(str(path), TEST)
+    weights = _zero_weights(tmp_path, net)
+    with pytest.raises(SystemExit) as e:
+        main(["convert", "onnx", str(path), str(weights), str(tmp_path / "f.onnx"),
+              "--dynamic-spatial", "--verify"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 0, err
+    assert "inputs data batchx3xdata_heightxdata_width" in out
+    assert "at data 2x3x21x19:" in out and "at data 3x3x42x38:" in out
+    assert "verified: onnxruntime matches caffepar at both sizes" in out
+    with pytest.raises(SystemExit) as e:
+        main(["convert", "onnx", str(path), str(weights), str(tmp_path / "f.onnx"),
+              "--batch", "1"])
+    out, _err = capsys.readouterr()
+    assert e.value.code == 0 and "inputs data 1x3x21x19" in out

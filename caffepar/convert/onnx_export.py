@@ -13,9 +13,15 @@ reproduces Caffe's arithmetic rather than the nearest ONNX operator's, where the
 - LRN WITHIN_CHANNEL has no ONNX operator; it is built from Mul/Pad/AveragePool/Pow, with
   Caffe's quirk of ignoring `k`.
 
-Shapes are the ones the caffepar Net computed, so every Reshape is static (fixed batch; pick it
-with `batch=`). Layers ONNX cannot express (losses, data readers, recurrent, Python) are all
-named in one error before anything is written.
+The batch dimension is free by default (`batch=N` fixes it), and with `dynamic_spatial` so are
+height and width, for fully convolutional nets. Which dimension of each blob follows the input's
+is found by reshaping the caffepar Net once at another input size (batch + 1, spatial size
+doubled) and seeing which dimensions change: a Reshape then copies (0) or infers (-1) exactly
+those; Crop takes its size from the reference blob's runtime shape; pooling over a free size
+uses ONNX's ceil mode, whose window count and AVE divisors are Caffe's. A layer that ties a free
+dimension to a fixed one (an InnerProduct over height and width) is refused by name. Layers ONNX
+cannot express (losses, data readers, recurrent, Python) are all named in one error before
+anything is written.
 """
 import math
 import os
@@ -89,13 +95,20 @@ class _Graph:
 @dataclass
 class _Ctx:
     """What a converter gets: the caffepar layer, its bottoms' ONNX names and Caffe shapes,
-    its tops' Caffe shapes and the names its outputs should take."""
+    its tops' Caffe shapes and the names its outputs should take; the `probe_` shapes are the
+    same blobs at another input size (equal to the others where nothing is free)."""
 
     layer: object
     inputs: list
     bottom_shapes: list
     top_shapes: list
     outs: list
+    probe_bottom_shapes: list = None
+    probe_top_shapes: list = None
+
+    def __post_init__(self):
+        self.probe_bottom_shapes = self.probe_bottom_shapes or self.bottom_shapes
+        self.probe_top_shapes = self.probe_top_shapes or self.top_shapes
 
     @property
     def p(self):
@@ -103,6 +116,31 @@ class _Ctx:
 
     def error(self, message):
         return OnnxExportError(message, layer=self.layer.name, layer_type=self.layer.type)
+
+    def free_axes(self, bottom=0):
+        """Axes of a bottom whose size follows the graph input's."""
+        return [a for a, (b, q) in enumerate(zip(self.bottom_shapes[bottom],
+                                                 self.probe_bottom_shapes[bottom])) if b != q]
+
+
+def _target_shape(ctx, top, source, probe_source):
+    """The Reshape shape giving top `top` from a tensor of shape `source` (`probe_source` at
+    the probe size): fixed sizes as they are, a free one copied (0) where the source has it at
+    the same axis, else inferred (-1), which ONNX allows once."""
+    out, inferred = [], []
+    for a, (b, q) in enumerate(zip(ctx.top_shapes[top], ctx.probe_top_shapes[top])):
+        if b == q:
+            out.append(int(b))
+        elif a < len(source) and source[a] == b and probe_source[a] == q:
+            out.append(0)
+        else:
+            out.append(-1)
+            inferred.append(a)
+    if len(inferred) > 1:
+        raise ctx.error(f"top shape {tuple(ctx.top_shapes[top])} has {len(inferred)} "
+                        "dimensions that follow the input size in different ways; export with "
+                        "a fixed size (--batch, without --dynamic-spatial)")
+    return out
 
 
 def _blob(ctx, i):
@@ -158,9 +196,13 @@ def _pooling(g, ctx):
     geom = layer.geom
     kh, kw, ph, pw, sh, sw = geom.kh, geom.kw, geom.ph, geom.pw, geom.sh, geom.sw
     oh, ow = ctx.top_shapes[0][2], ctx.top_shapes[0][3]
-    if p.global_pooling or (kh == h and kw == w and ph == pw == 0 and oh == ow == 1):
+    free = set(ctx.free_axes()) & {2, 3}
+    if p.global_pooling or (not free and kh == h and kw == w and ph == pw == 0
+                            and oh == ow == 1):
         op = "GlobalMaxPool" if method == PP.MAX else "GlobalAveragePool"
         return [g.node(op, [ctx.inputs[0]], ctx.outs[0])]
+    if free:
+        return _pooling_free_size(g, ctx, method, geom)
     # The padded frame Caffe's windows reach: rows -ph .. (oh-1)*sh + kh - ph.
     need_h, need_w = (oh - 1) * sh + kh, (ow - 1) * sw + kw
     end_h, end_w = need_h - h - ph, need_w - w - pw
@@ -188,6 +230,23 @@ def _pooling(g, ctx):
                    ctx.outs[0])]
 
 
+def _pooling_free_size(g, ctx, method, geom):
+    """Pooling over a height or width known only at run time: ONNX's ceil mode counts Caffe's
+    windows (ceil, then one fewer when the last starts in the padding) and, counting the
+    padding, divides AVE windows as Caffe does. Windows narrower than their stride can start
+    past the input, where the two differ: refused."""
+    if geom.kh < geom.sh or geom.kw < geom.sw:
+        raise ctx.error(f"a {geom.kh}x{geom.kw} window with stride {geom.sh}x{geom.sw} over a "
+                        "free height or width (windows narrower than their stride are not "
+                        "exported with --dynamic-spatial)")
+    op = "MaxPool" if method == PP.MAX else "AveragePool"
+    attrs = dict(kernel_shape=[geom.kh, geom.kw], strides=[geom.sh, geom.sw],
+                 pads=[geom.ph, geom.pw, geom.ph, geom.pw], ceil_mode=1)
+    if method != PP.MAX:
+        attrs["count_include_pad"] = 1
+    return [g.node(op, [ctx.inputs[0]], ctx.outs[0], **attrs)]
+
+
 def _lrn(g, ctx):
     layer = ctx.layer
     x = ctx.inputs[0]
@@ -213,13 +272,20 @@ def _inner_product(g, ctx):
     inputs = [flat, g.const("weight", _blob(ctx, 0))]
     if len(layer.blobs) > 1:
         inputs.append(g.const("bias", _blob(ctx, 1).reshape(-1)))
+    axis = _axis(layer.axis, len(ctx.bottom_shapes[0]))
+    if set(ctx.free_axes()) - set(range(axis)):
+        raise ctx.error("an InnerProduct over a free height or width (its weights fix the "
+                        "input size): export with a fixed size (without --dynamic-spatial)")
     out_shape = ctx.top_shapes[0]
     direct = len(out_shape) == 2
     y = g.node("Gemm", inputs, ctx.outs[0] if direct else None,
                transB=0 if layer.transpose else 1)
     if direct:
         return [y]
-    return [g.node("Reshape", [y, g.ints("shape", out_shape)], ctx.outs[0])]
+    flat = [int(np.prod(ctx.bottom_shapes[0][:axis])), out_shape[-1]]
+    probe_flat = [int(np.prod(ctx.probe_bottom_shapes[0][:axis])), out_shape[-1]]
+    return [g.node("Reshape", [y, g.ints("shape", _target_shape(ctx, 0, flat, probe_flat))],
+                   ctx.outs[0])]
 
 
 def _batch_norm(g, ctx):
@@ -250,9 +316,10 @@ def _scale_or_bias(g, ctx, op, param, learned_index):
     axis = _axis(param.axis, ndim)
     x = ctx.inputs[0]
     if len(ctx.inputs) > 1:
+        # Each of the second bottom's axes copied (0), trailing 1s to broadcast.
         other_shape = ctx.bottom_shapes[1]
         other = g.node("Reshape", [ctx.inputs[1], g.ints(
-            "shape", _broadcast_shape(other_shape, axis, ndim))])
+            "shape", _broadcast_shape([0] * len(other_shape), axis, ndim))])
     else:
         arr = _blob(ctx, learned_index)
         other = g.const(op.lower(), arr.reshape(_broadcast_shape(arr.shape, axis, ndim)))
@@ -384,7 +451,8 @@ def _split(g, ctx):
 
 # ------------------------------------------------------------------------ shape layers
 def _reshape_to_top(g, ctx):
-    return [g.node("Reshape", [ctx.inputs[0], g.ints("shape", ctx.top_shapes[0])], ctx.outs[0])]
+    shape = _target_shape(ctx, 0, ctx.bottom_shapes[0], ctx.probe_bottom_shapes[0])
+    return [g.node("Reshape", [ctx.inputs[0], g.ints("shape", shape)], ctx.outs[0])]
 
 
 def _concat(g, ctx):
@@ -403,6 +471,9 @@ def _slice(g, ctx):
     sizes = [s[axis] for s in ctx.top_shapes]
     if len(sizes) == 1:
         return list(ctx.inputs)
+    if axis in ctx.free_axes():
+        raise ctx.error(f"slicing axis {axis}, whose size follows the input's, into fixed "
+                        "sizes: export with a fixed size")
     node = g.helper.make_node("Split", [ctx.inputs[0], g.ints("split", sizes)], list(ctx.outs),
                               name=g.fresh(f"{g.layer_name}/Split_node"), axis=axis)
     g.nodes.append(node)
@@ -421,8 +492,12 @@ def _crop(g, ctx):
     elif not offsets:
         offsets = [0] * len(axes)
     starts = offsets
-    ends = [o + ctx.top_shapes[0][a] for o, a in zip(offsets, axes)]
-    return [g.node("Slice", [ctx.inputs[0], g.ints("starts", starts), g.ints("ends", ends),
+    if not set(ctx.free_axes(1)) & set(axes):
+        ends = g.ints("ends", [o + ctx.top_shapes[0][a] for o, a in zip(offsets, axes)])
+    else:   # the reference blob's size is known at run time: ends = offset + its size
+        size = g.node("Gather", [g.node("Shape", [ctx.inputs[1]]), g.ints("axes_of_ref", axes)])
+        ends = g.node("Add", [size, g.ints("offsets", offsets)])
+    return [g.node("Slice", [ctx.inputs[0], g.ints("starts", starts), ends,
                              g.ints("axes", axes)], ctx.outs[0])]
 
 
@@ -482,7 +557,9 @@ def _reduction(g, ctx):
         y = g.node("ReduceSumSquare", [x], axes=axes, keepdims=0)
     if p.coeff != 1:
         y = g.node("Mul", [y, g.const("coeff", np.array(p.coeff, np.float32))])
-    y = g.node("Reshape", [y, g.ints("shape", ctx.top_shapes[0])])
+    kept = ctx.bottom_shapes[0][:axis]
+    y = g.node("Reshape", [y, g.ints("shape", _target_shape(
+        ctx, 0, kept, ctx.probe_bottom_shapes[0][:axis]))])
     return [_rename(g, y, ctx.outs[0])]
 
 
@@ -574,6 +651,10 @@ class ExportResult:
     outputs: list = field(default_factory=list)
     path: str = None
     blob_tensors: dict = field(default_factory=dict)
+    other_inputs: dict = field(default_factory=dict)
+    """Input shapes of another size the graph takes (empty when every size is fixed)."""
+    note: str = None
+    """Why the batch size stayed fixed, when it could not be made free."""
 
 
 def _check_exportable(layers):
@@ -589,17 +670,89 @@ def _check_exportable(layers):
         raise OnnxExportError("cannot export to ONNX: " + "; ".join(problems))
 
 
-def net_to_onnx(net, opset=DEFAULT_OPSET, name=None):
-    """An onnx.ModelProto computing `net`'s forward pass (its current shapes and weights)."""
-    return _build(net, opset, name)[0]
+def net_to_onnx(net, opset=DEFAULT_OPSET, name=None, dynamic_batch=False,
+                dynamic_spatial=False):
+    """An onnx.ModelProto computing `net`'s forward pass (its current weights; its current
+    shapes, but for the batch and/or spatial sizes made free)."""
+    return _build(net, opset, name, probe_shapes(net, dynamic_batch, dynamic_spatial))[0]
 
 
-def _build(net, opset, name):
-    """(model, {Caffe blob: ONNX tensor holding its final value})."""
+def probe_input_shapes(net, dynamic_batch, dynamic_spatial):
+    """The net's input shapes at the probe size: batch + 1 where the batch is free, height and
+    width doubled where they are (doubling keeps whatever divisibility a net relies on)."""
+    shapes = {}
+    first = [tuple(net.blobs[n].shape) for n in net.inputs][:1]
+    batch = first[0][0] if first and first[0] else None
+    for name in net.inputs:
+        shape = list(net.blobs[name].shape)
+        # Inputs share the first one's batch; one of another length there (a table, a
+        # parameter fed as an input) has no batch axis.
+        batched = bool(shape) and shape[0] == batch
+        if dynamic_batch and batched:
+            shape[0] += 1
+        if dynamic_spatial and len(shape) >= 3 and batched:
+            shape[2:] = [2 * d for d in shape[2:]]
+        shapes[name] = tuple(shape)
+    return shapes
+
+
+def probe_shapes(net, dynamic_batch, dynamic_spatial):
+    """Every blob's shape (by blob id) with the inputs at the probe size; the net is put back
+    to its own shapes afterwards. A layer that cannot take the probe size is refused by name."""
+    if not dynamic_batch and not dynamic_spatial:
+        return None
+    own = {name: tuple(net.blobs[name].shape) for name in net.inputs}
+    what = " and ".join(w for w, on in (("batch size", dynamic_batch),
+                                        ("height and width", dynamic_spatial)) if on)
+    try:
+        for name, shape in probe_input_shapes(net, dynamic_batch, dynamic_spatial).items():
+            net.blobs[name].reshape(shape)
+        for i, layer in enumerate(net.layers):
+            try:
+                layer.reshape(net._blobs_of(net.bottom_ids[i]), net._blobs_of(net.top_ids[i]))
+            except (CaffeparError, ValueError, IndexError) as e:
+                raise OnnxExportError(f"cannot make the {what} free: at another input "
+                                      f"size, {_first_line(e)}", layer=layer.name,
+                                      layer_type=layer.type) from None
+        return [tuple(b.shape) for b in net.blob_list]
+    finally:
+        for name, shape in own.items():
+            net.blobs[name].reshape(shape)
+        net.reshape()
+
+
+def _first_line(error):
+    text = getattr(error, "message", None) or str(error) or type(error).__name__
+    return text.splitlines()[0]
+
+
+def _value_info(helper, name, shape, probe, input_name=None):
+    """A graph input/output's type: fixed sizes as numbers, the batch as "batch" and the free
+    sizes of an input as <input>_height / _width (an output's other free sizes left unnamed)."""
+    from onnx import TensorProto
+    dims = []
+    for a, (b, q) in enumerate(zip(shape, probe)):
+        if b == q:
+            dims.append(int(b))
+        elif a == 0 and q == b + 1:
+            dims.append("batch")
+        elif input_name is not None and a >= 2:
+            dims.append(f"{input_name}_{('height', 'width', 'depth')[min(a - 2, 2)]}"
+                        if a < 5 else f"{input_name}_dim{a}")
+        else:
+            dims.append(None)
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, dims)
+
+
+def _build(net, opset, name, probe=None):
+    """(model, {Caffe blob: ONNX tensor holding its final value}); `probe`: every blob's shape
+    at another input size (None: all sizes fixed)."""
     _need_onnx()
     import onnx
-    from onnx import TensorProto, helper
+    from onnx import helper
     _check_exportable(net.layers)
+    shapes = [tuple(b.shape) for b in net.blob_list]
+    probe = probe or shapes
     g = _Graph(net)
     outputs = list(net.outputs)
     last_writer = {}
@@ -611,11 +764,10 @@ def _build(net, opset, name):
         g.layer_name = layer.name
         tops = [net.blob_names[t] for t in net.top_ids[i]]
         if layer.type == "Input":
-            for t in tops:
+            for t, tid in zip(tops, net.top_ids[i]):
                 g.used.add(t)
                 current[t] = t
-                graph_inputs.append(helper.make_tensor_value_info(
-                    t, TensorProto.FLOAT, list(net.blobs[t].shape)))
+                graph_inputs.append(_value_info(helper, t, shapes[tid], probe[tid], t))
             continue
         inputs = [current[net.blob_names[b]] for b in net.bottom_ids[i]]
         outs = []
@@ -623,8 +775,9 @@ def _build(net, opset, name):
             # Graph outputs keep their Caffe names: only the blob's last writer may use it.
             plain = t not in g.used and (t not in outputs or last_writer[t] == i)
             outs.append(g.fresh(t if plain else f"{t}/{layer.name}"))
-        ctx = _Ctx(layer, inputs, [tuple(net.blob_list[b].shape) for b in net.bottom_ids[i]],
-                   [tuple(net.blob_list[t].shape) for t in net.top_ids[i]], outs)
+        ctx = _Ctx(layer, inputs, [shapes[b] for b in net.bottom_ids[i]],
+                   [shapes[t] for t in net.top_ids[i]], outs,
+                   [probe[b] for b in net.bottom_ids[i]], [probe[t] for t in net.top_ids[i]])
         try:
             produced = CONVERTERS[layer.type](g, ctx)
         except CaffeparError:
@@ -642,8 +795,8 @@ def _build(net, opset, name):
             # A blob changed in place from a graph input cannot reuse the input's name.
             name_ = g.fresh(f"{o}_out") if o in input_names else o
             g.node("Identity", [current[o]], name_)
-        graph_outputs.append(helper.make_tensor_value_info(name_, TensorProto.FLOAT,
-                                                           list(net.blobs[o].shape)))
+        oid = net.blob_names.index(o)
+        graph_outputs.append(_value_info(helper, name_, shapes[oid], probe[oid]))
     graph = helper.make_graph(g.nodes, name or net.name or "caffe_net", graph_inputs,
                               graph_outputs, g.initializers)
     model = helper.make_model(graph, producer_name="caffepar",
@@ -656,9 +809,10 @@ def _build(net, opset, name):
 
 
 def export_onnx(model, weights, out=None, batch=None, allow_missing=False, opset=DEFAULT_OPSET,
-                level=0, stages=()):
-    """Build `model` (a deploy prototxt) in TEST phase with `weights`, optionally with another
-    batch size, and export it; writes `out` when given. Returns an ExportResult."""
+                level=0, stages=(), dynamic_spatial=False):
+    """Build `model` (a deploy prototxt) in TEST phase with `weights` and export it; writes
+    `out` when given. The batch size is free unless `batch` fixes it; `dynamic_spatial` frees
+    height and width too. Returns an ExportResult."""
     _need_onnx()
     from caffepar.convert.npz import load_weights
     from caffepar.graph.net import TEST, Net, load_net_param
@@ -678,9 +832,22 @@ def export_onnx(model, weights, out=None, batch=None, allow_missing=False, opset
             shape = net.blobs[name].shape
             net.blobs[name].reshape((batch,) + tuple(shape[1:]))
         net.reshape()
-    onnx_model, tensors = _build(net, opset, None)
+    dynamic_batch, note = batch is None, None
+    try:
+        onnx_model, tensors = _build(net, opset, None,
+                                     probe_shapes(net, dynamic_batch, dynamic_spatial))
+    except OnnxExportError as e:
+        if dynamic_spatial or not dynamic_batch:
+            raise
+        # A free batch is the default, not a request: a net that ties its batch size (a
+        # Reshape written with it) is exported at its own, saying why.
+        onnx_model, tensors = _build(net, opset, None)
+        dynamic_batch = False
+        note = f"the batch size is fixed at {net.blobs[net.inputs[0]].shape[0]}: {e}"
     result = ExportResult(onnx_model, net, {n: tuple(net.blobs[n].shape) for n in net.inputs},
-                          list(net.outputs), blob_tensors=tensors)
+                          list(net.outputs), blob_tensors=tensors,
+                          other_inputs=probe_input_shapes(net, dynamic_batch, dynamic_spatial)
+                          if dynamic_batch or dynamic_spatial else {}, note=note)
     if out is not None:
         from caffepar.io.weights import atomic_write
         out = os.fspath(out)

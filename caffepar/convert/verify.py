@@ -50,19 +50,39 @@ def _with_blob_outputs(result):
             continue
         have.add(tensor)
         extra[tensor] = blob
-        model.graph.output.append(helper.make_tensor_value_info(
-            tensor, TensorProto.FLOAT, list(result.net.blobs[blob].shape)))
+        model.graph.output.append(helper.make_tensor_value_info(tensor, TensorProto.FLOAT, None))
     return model, extra
 
 
-def verify_onnx(result, seed=0, tolerance=1e-4, inputs=None, all_blobs=False):
+def verify_onnx(result, seed=0, tolerance=1e-4, inputs=None, all_blobs=False,
+                input_shapes=None):
     """Compare onnxruntime on `result.model` (an ExportResult) with result.net's forward.
 
     The tolerance is absolute for outputs up to 1 in magnitude and relative above that, since
-    raw class scores of a deep net can be large where probabilities are not.
+    raw class scores of a deep net can be large where probabilities are not. `input_shapes`
+    (or the shapes of `inputs`) other than the net's: both run at that size (a graph with a
+    free batch or spatial size), and the net is put back to its own afterwards.
     """
     if not have_onnxruntime():
         raise CaffeparError("--verify needs onnxruntime: pip install 'caffepar[onnx]'")
+    net = result.net
+    if inputs is not None:
+        input_shapes = {n: tuple(v.shape) for n, v in inputs.items()}
+    own = {n: tuple(net.blobs[n].shape) for n in net.inputs}
+    if not input_shapes or all(own[n] == tuple(s) for n, s in input_shapes.items()):
+        return _verify(result, seed, tolerance, inputs, all_blobs)
+    try:
+        for name, shape in input_shapes.items():
+            net.blobs[name].reshape(tuple(shape))
+        net.reshape()
+        return _verify(result, seed, tolerance, inputs, all_blobs)
+    finally:
+        for name, shape in own.items():
+            net.blobs[name].reshape(shape)
+        net.reshape()
+
+
+def _verify(result, seed, tolerance, inputs, all_blobs):
     import onnxruntime as ort
     net = result.net
     rng = np.random.RandomState(seed)
