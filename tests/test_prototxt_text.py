@@ -110,3 +110,15 @@ def test_a_file_over_the_limit_is_refused_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("CAFFEPAR_MAX_PROTOTXT_MB", "lots")
     with pytest.raises(PrototxtError, match="CAFFEPAR_MAX_PROTOTXT_MB='lots' is not a number"):
         read_net_text(path)
+
+
+def test_a_fork_only_field_says_what_bvlc_caffe_writes_instead(tmp_path):
+    path = tmp_path / "fork.prototxt"
+    path.write_text('layer { name: "p" type: "Pooling" bottom: "x" top: "y"\n'
+                    "  pooling_param { pool: MAX kernel_size: 3 stride: 2 ceil_mode: false } }\n")
+    with pytest.raises(PrototxtError) as info:
+        read_net_text(path)
+    text = str(info.value)
+    assert text.startswith(f"{path}:2: error: syntax error: ")
+    assert '"ceil_mode"; ceil_mode is a field of a Caffe fork, not of BVLC Caffe: BVLC Caffe ' \
+           "writes round_mode: FLOOR" in text

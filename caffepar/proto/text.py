@@ -144,6 +144,23 @@ def _parts(text, chunk_chars):
     return parts
 
 
+#: Fields that Caffe forks added and BVLC Caffe (hence caffepar) does not have, with what
+#: BVLC Caffe says instead.
+FORK_FIELDS = {
+    ("PoolingParameter", "ceil_mode"): "BVLC Caffe writes round_mode: FLOOR for "
+                                       "ceil_mode: false (CEIL, the default, for true)",
+    ("ConvolutionParameter", "depthwise"): "BVLC Caffe runs a depthwise convolution as group "
+                                           "equal to the channel count",
+}
+
+
+def _fork_field_hint(message):
+    for (owner, name), hint in FORK_FIELDS.items():
+        if f'"caffe.{owner}" has no field named "{name}"' in message:
+            return f"{name} is a field of a Caffe fork, not of BVLC Caffe: {hint}"
+    return None
+
+
 def _merge(text, message, path, first_line):
     try:
         text_format.Merge(text, message, allow_unknown_field=False)
@@ -159,7 +176,9 @@ def _merge(text, message, path, first_line):
             msg = f"column {col}: {msg}"
         if line is not None:
             line += first_line - 1
-        raise PrototxtError(f"syntax error: {msg}", path=path, line=line) from None
+        hint = _fork_field_hint(msg)
+        raise PrototxtError(f"syntax error: {msg.rstrip('.') if hint else msg}", path=path,
+                            line=line, hint=hint) from None
     return message
 
 

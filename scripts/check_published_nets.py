@@ -1,0 +1,181 @@
+#!/usr/bin/env python
+"""Every caffepar command on a folder of published Caffe prototxts: each runs, or refuses in one
+line naming what it does not support; a Python traceback or a hang is a caffepar bug.
+
+    python scripts/check_published_nets.py DIR [--out results/published_nets] [--timeout 300]
+
+For each net prototxt under DIR (any depth): `convert info`, `plan --np 4`, `convert upgrade
+--check`, `time --iterations 1` (TEST phase for nets with data layers, whose datasets are
+not there: a one-line refusal naming the missing source is the expected answer), random
+weights saved through the pycaffe API, and `convert onnx --verify` with them. For each solver
+prototxt: `convert upgrade --check`. Every command runs in its own process with a timeout.
+Writes OUT.csv and OUT.md; the exit status is 1 when a command gave a traceback or timed out.
+"""
+import argparse
+import csv
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = ["info", "plan", "upgrade", "time", "weights", "onnx"]
+SAVE_WEIGHTS = """
+import sys
+import caffepar as caffe
+from caffepar.errors import CaffeparError
+try:
+    net = caffe.Net(sys.argv[1], caffe.TEST)
+except CaffeparError as e:
+    sys.exit(f"caffepar: {e}")
+for name, layer in zip(net._layer_names, net.layers):
+    if layer.type == "BatchNorm":       # stored statistics of a trained net: mean 0, var 1
+        blobs = net.params[name]
+        blobs[0].data[...], blobs[1].data[...], blobs[2].data[...] = 0, 1, 1
+net.save(sys.argv[2])
+print(f"saved {len(net.params)} layers' weights")
+"""
+
+
+def is_solver(path):
+    text = path.read_text(errors="replace")
+    return ("base_lr" in text or "max_iter" in text) and "layer" not in text
+
+
+def run(argv, timeout, cwd):
+    """(status, the one line that says why, seconds): ran / refused / TRACEBACK / TIMEOUT."""
+    t0 = time.monotonic()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                              env=env)
+    except subprocess.TimeoutExpired:
+        return "TIMEOUT", f"no answer within {timeout} s", time.monotonic() - t0
+    seconds = time.monotonic() - t0
+    err = done.stderr
+    if "Traceback (most recent call last)" in err:
+        last = [line for line in err.splitlines() if line.strip()][-1]
+        return "TRACEBACK", last.strip(), seconds
+    if done.returncode == 0:
+        return "ran", "", seconds
+    lines = [line for line in (err + done.stdout).splitlines()
+             if line.startswith(("caffepar:", "Error:")) or ": error: " in line]
+    if len(lines) != 1:
+        return "UNCLEAR", f"exit {done.returncode}, {len(lines)} error lines: " + \
+            " | ".join(lines[:3] or err.splitlines()[-2:]), seconds
+    return "refused", lines[0], seconds
+
+
+def check_net(path, folder, timeout):
+    """{command: (status, reason, seconds)} for one net prototxt."""
+    cli = [sys.executable, "-m", "caffepar.cli"]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        net = str(path)
+        out["info"] = run(cli + ["convert", "info", net], timeout, folder)
+        out["plan"] = run(cli + ["plan", "--model", net, "--np", "4"], timeout, folder)
+        out["upgrade"] = run(cli + ["convert", "upgrade", net, str(tmp / "up.prototxt"),
+                                    "--check"], timeout, folder)
+        out["time"] = run(cli + ["time", "--model", net, "--iterations", "1", "--phase", "TEST"],
+                          timeout, folder)
+        weights = tmp / "w.caffemodel"
+        out["weights"] = run([sys.executable, "-c", SAVE_WEIGHTS, net, str(weights)], timeout,
+                             folder)
+        if weights.exists():
+            out["onnx"] = run(cli + ["convert", "onnx", net, str(weights), str(tmp / "m.onnx"),
+                                     "--verify"], timeout, folder)
+        else:
+            out["onnx"] = ("skipped", "no weights (the net does not build)", 0.0)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder", help="a folder of published prototxts (any depth)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "published_nets"))
+    ap.add_argument("--timeout", type=float, default=300)
+    args = ap.parse_args()
+    folder = Path(args.folder).resolve()
+    paths = sorted(folder.rglob("*.prototxt"))
+    rows = []
+    for path in paths:
+        name = str(path.relative_to(folder))
+        if is_solver(path):
+            status = run([sys.executable, "-m", "caffepar.cli", "convert", "upgrade", str(path),
+                          os.devnull, "--check"], args.timeout, path.parent)
+            rows.append({"prototxt": name, "kind": "solver", "upgrade": status[0],
+                         "upgrade_reason": status[1]})
+        else:
+            result = check_net(path, path.parent, args.timeout)
+            row = {"prototxt": name, "kind": "net"}
+            for cmd in COMMANDS:
+                row[cmd], row[f"{cmd}_reason"] = result[cmd][0], result[cmd][1]
+            rows.append(row)
+        print(name, {k: v for k, v in rows[-1].items() if k in COMMANDS}, flush=True)
+    fields = ["prototxt", "kind"] + [f for c in COMMANDS for f in (c, f"{c}_reason")]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+    bad = [(r["prototxt"], c, r[c], r[f"{c}_reason"]) for r in rows for c in COMMANDS
+           if r.get(c) in ("TRACEBACK", "TIMEOUT", "UNCLEAR")]
+    counts = {}
+    for r in rows:
+        for c in COMMANDS:
+            if c in r:
+                counts[r[c]] = counts.get(r[c], 0) + 1
+    lines = ["# caffepar on published Caffe nets", "",
+             f"`python scripts/check_published_nets.py DIR` over {len(rows)} prototxts "
+             f"({sum(r['kind'] == 'net' for r in rows)} nets, "
+             f"{sum(r['kind'] == 'solver' for r in rows)} solvers). Command results: " +
+             ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) +
+             f"; tracebacks, hangs or unclear reports: {len(bad)}.", "",
+             "`refused` is a one-line error naming the unsupported or missing thing (for "
+             "train/val nets, mostly their datasets, which are not part of the published "
+             "files). Columns: convert info, plan --np 4, convert upgrade --check, time "
+             "(TEST phase, one iteration), random weights saved through the pycaffe API, "
+             "convert onnx --verify.", ""]
+    lines += ["| prototxt | " + " | ".join(COMMANDS) + " |",
+              "|---|" + "---|" * len(COMMANDS)]
+    for r in rows:
+        lines.append(f"| {r['prototxt']} | " + " | ".join(
+            _cell(r, c) for c in COMMANDS) + " |")
+    reasons = {}
+    for r in rows:
+        for c in COMMANDS:
+            if r.get(c) == "refused":
+                reasons.setdefault(_short(r[f"{c}_reason"]), []).append(f"{r['prototxt']} ({c})")
+    lines += ["", "## Refusals", ""]
+    for reason, where in sorted(reasons.items(), key=lambda kv: -len(kv[1])):
+        lines.append(f"- {reason} — {len(where)}: {', '.join(where[:4])}"
+                     f"{', …' if len(where) > 4 else ''}")
+    if bad:
+        lines += ["", "## Problems", ""] + [f"- {p} `{c}`: {s}: {why}" for p, c, s, why in bad]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out.with_suffix('.md')}: {len(bad)} problem(s)")
+    return 1 if bad else 0
+
+
+def _cell(row, command):
+    if command not in row:
+        return "" if row["kind"] == "net" else "–"
+    return row[command]
+
+
+def _short(reason):
+    """A refusal without its file and line, so alike ones group."""
+    text = reason.split(": error: ", 1)[-1]
+    for token in text.split('"')[1::2]:
+        if "/" in token or token.endswith((".txt", ".lmdb", ".h5", ".leveldb")):
+            text = text.replace(f'"{token}"', '"…"')
+    return text[:160]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
