@@ -48,3 +48,26 @@ def test_same_seed_same_weights():
         caffe.set_random_seed(seed)
         draws.append(caffe.Net(str(proto), caffe.TEST).params["l"][0].data.copy())
     assert np.array_equal(draws[0], draws[1]) and not np.array_equal(draws[0], draws[2])
+
+
+@pytest.mark.parametrize("shape", [(3, 1000), (16, 3, 227, 227), (1 << 20,)])
+def test_big_normal_draws_depend_on_seed_and_shape_only(shape, monkeypatch):
+    """Big blobs are drawn in pieces side by side: the same values on any thread count, still
+    standard normal, pieces not repeating one another."""
+    from caffepar import fillers
+    from caffepar.nn import blas
+    from caffepar.proto import caffe_pb2
+    param = caffe_pb2.FillerParameter(type="gaussian", mean=0.5, std=2.0)
+    draws = []
+    for threads in (1, 2):
+        monkeypatch.setattr(blas, "blas_threads", lambda: threads)
+        caffe.set_random_seed(7)
+        draws.append(fillers.fill(param, shape))
+    assert draws[0].shape == shape and np.array_equal(draws[0], draws[1])
+    flat = draws[0].reshape(-1)
+    tolerance = 10.0 / np.sqrt(flat.size)
+    assert abs(flat.mean() - 0.5) < tolerance and abs(flat.std() - 2.0) < tolerance
+    piece = fillers.NORMAL_PIECE
+    if flat.size >= 2 * piece:
+        assert not np.array_equal(flat[:1000], flat[piece:piece + 1000])
+        assert stats.kstest((flat - 0.5) / 2.0, "norm").pvalue > 1e-3
