@@ -275,20 +275,23 @@ def test_im2col_col2im_equal_numpy(geometry, dtype, compiled):
 
 # ------------------------------------------------------------------ InnerProduct, small batch
 
-@pytest.mark.parametrize("m,k,n", [(1, 5, 3), (3, 37, 5), (4, 64, 8), (7, 100, 17), (16, 33, 9)])
+@pytest.mark.parametrize("m,k,n", [(1, 5, 3), (3, 37, 5), (4, 64, 8), (7, 100, 17), (16, 33, 9),
+                                   (9, 70, 40), (16, 300, 130)])
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float64, 1e-12)])
-def test_inner_product_kernels_equal_blas(m, k, n, dtype, tol, compiled):
-    """y = x W^T + b and dx = dy W through the compiled kernels: the BLAS results up to the order
-    of the sums."""
+@pytest.mark.parametrize("engine", ["wide", "rows"])
+def test_inner_product_kernels_equal_blas(m, k, n, dtype, tol, engine, compiled):
+    """y = x W^T + b, dx = dy W and dW += dy^T x through the compiled kernels: the BLAS results
+    up to the order of the sums (shapes with partial register tiles and vector tails)."""
     from caffepar.nn import inner_product
     rng = np.random.default_rng(6)
     x, dy = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((m, n)).astype(dtype)
     w, b = rng.standard_normal((n, k)).astype(dtype), rng.standard_normal(n).astype(dtype)
-    got, want = np.empty((m, n), dtype), np.empty((m, n), dtype)
-    inner_product._forward(native.kernels(dtype), x, w, b, got)
-    inner_product._forward(None, x, w, b, want)
-    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
-    got, want = np.empty_like(x), np.empty_like(x)
-    inner_product._backward_data(native.kernels(dtype), dy, w, got)
-    inner_product._backward_data(None, dy, w, want)
-    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+    start = rng.standard_normal((n, k)).astype(dtype)
+    results = {}
+    for name in (engine, "blas"):
+        y, dx, dw = np.empty((m, n), dtype), np.empty_like(x), start.copy()
+        inner_product._forward(name, x, w, b, y)
+        inner_product._backward(name, dy, x, w, dx, dw)
+        results[name] = y, dx, dw
+    for got, want in zip(results[engine], results["blas"]):
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())

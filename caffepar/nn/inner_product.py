@@ -1,19 +1,18 @@
 """InnerProduct: a fully connected layer over the axes from `axis` on.
 
-Its GEMMs go to BLAS, or with a small batch (up to ``SMALL_BATCH`` rows) y = x W^T and
-dx = dy W may go to compiled kernels that stream W through once (a BLAS tuned for big GEMMs
-packs all of W and runs well below the memory bandwidth that bounds them): which of the two by
-measurement on the machine at hand (`caffepar.nn.calibrate`), fixed thresholds taking the
-kernels whenever they apply."""
+Its GEMMs go to BLAS, or with a small batch (up to ``SMALL_BATCH`` rows) to compiled kernels
+that stream W through once (a BLAS tuned for big GEMMs packs all of W and runs well below the
+memory bandwidth that bounds them): which of the ways (``ENGINES``) by measurement on the
+machine at hand (`caffepar.nn.calibrate`); fixed rules take the kernels whenever they apply."""
 import numpy as np
 
 from caffepar.blob import canonical_axis
 from caffepar.nn import calibrate, native
 from caffepar.nn.base import Layer, register
-from caffepar.nn.blas import blas_threads, gemm, run_parts
+from caffepar.nn.blas import blas_threads, gemm, run_parts, scratch
 
-#: Batches of at most this many rows may use the compiled kernels (ip_forward's register
-#: tiles hold that many rows).
+#: Batches of at most this many rows may use the compiled kernels (the "wide" kernels hold a
+#: column of the batch in two vectors at most).
 SMALL_BATCH = 16
 
 
@@ -48,30 +47,28 @@ class InnerProductLayer(Layer):
         self.m = int(np.prod(bottom[0].shape[:axis]))
         top[0].reshape(bottom[0].shape[:axis] + (self.num_output,))
 
-    def _kernels(self):
-        """The compiled kernels when this shape should use them, else None (BLAS)."""
+    def _engine(self):
+        """How this shape runs: "wide" or "rows" (the compiled kernels) or "blas"."""
         w = self.blobs[0].data
-        if self.transpose or self.m > SMALL_BATCH or not w.flags.c_contiguous:
-            return None
-        k = native.kernels(w.dtype)
-        if k is None or calibrate.mode() != "measure" or calibrate.measuring():
-            return k
+        if (self.transpose or self.m > SMALL_BATCH or not w.flags.c_contiguous
+                or native.kernels(w.dtype) is None):
+            return "blas"
+        if calibrate.mode() != "measure" or calibrate.measuring():
+            return "wide" if 2 * self.m >= 64 // w.dtype.itemsize else "rows"
         key = f"ip {self.m}x{self.k} {self.num_output} {w.dtype.name} t{blas_threads()}"
-        chosen = calibrate.choose(key, ["compiled", "blas"], self._timing_run, key)
-        return k if chosen == "compiled" else None
+        return calibrate.choose(key, list(ENGINES), self._timing_run, key)
 
     def _timing_run(self):
-        """run(engine): forward and dx of this shape on random data with that engine."""
+        """run(engine): forward, dx and dW of this shape on random data with that engine."""
         rng = np.random.default_rng(0)
         dt = self.blobs[0].data.dtype
         x = rng.standard_normal((self.m, self.k)).astype(dt)
         w = rng.standard_normal((self.num_output, self.k)).astype(dt)
-        y, dx = np.empty((self.m, self.num_output), dt), np.empty_like(x)
-        k = native.kernels(dt)
+        y, dx, dw = np.empty((self.m, self.num_output), dt), np.empty_like(x), np.zeros_like(w)
 
         def run(engine):
-            _forward(k if engine == "compiled" else None, x, w, None, y)
-            _backward_data(k if engine == "compiled" else None, y, w, dx)
+            _forward(engine, x, w, None, y)
+            _backward(engine, y, x, w, dx, dw)
 
         return run
 
@@ -84,29 +81,48 @@ class InnerProductLayer(Layer):
             if self.bias_term:
                 y += self.blobs[1].data
             return
-        _forward(self._kernels(), x, w, self.blobs[1].data if self.bias_term else None, y)
+        _forward(self._engine(), x, w, self.blobs[1].data if self.bias_term else None, y)
 
     def backward(self, top, propagate_down, bottom):
         dy = top[0].diff.reshape(self.m, self.num_output)
         x = bottom[0].data.reshape(self.m, self.k)
         w = self.blobs[0]
-        if self.param_propagate_down[0]:
-            if self.transpose:
-                gemm(x.T, dy, w.diff, beta=1.0)
-            else:
-                gemm(dy.T, x, w.diff, beta=1.0)
+        dx = bottom[0].diff.reshape(self.m, self.k) if propagate_down[0] else None
         if self.bias_term and self.param_propagate_down[1]:
             self.blobs[1].diff += dy.sum(axis=0)
-        if propagate_down[0]:
-            dx = bottom[0].diff.reshape(self.m, self.k)
-            if self.transpose:
+        if self.transpose:
+            if self.param_propagate_down[0]:
+                gemm(x.T, dy, w.diff, beta=1.0)
+            if dx is not None:
                 gemm(dy, w.data.T, dx)
-            else:
-                _backward_data(self._kernels(), dy, w.data, dx)
+            return
+        _backward(self._engine(), dy, x, w.data, dx,
+                  w.diff if self.param_propagate_down[0] else None)
 
 
-def _forward(k, x, w, bias, y):
-    """y = x W^T (+ bias): the compiled kernel over runs of W's rows side by side, or BLAS."""
+#: The ways y = x W^T, dx = dy W and dW += dy^T x run: "wide" and "rows" are the compiled
+#: kernels, which stream W (and dW) through once where a BLAS tuned for big GEMMs packs it
+#: first. "wide" puts the batch in the vector lanes (every element of W loaded once and
+#: multiplied into the whole batch, no horizontal sums): the fastest when the batch fills most
+#: of a vector. "rows" keeps the batch's rows apart (dot products along K), for the smallest
+#: batches, whose lanes "wide" would mostly leave empty.
+ENGINES = ("wide", "rows", "blas")
+
+
+def _lanes_first(a, key):
+    """a (M, X) as (X, MV * VL), zero-padded to whole vectors of the kernels, and MV."""
+    m, cols = a.shape
+    vl = 64 // a.itemsize
+    mv = -(-m // vl)
+    t = scratch(key, (cols, mv * vl), a.dtype)
+    t[:, m:] = 0
+    t[:, :m] = a.T
+    return t, mv
+
+
+def _forward(engine, x, w, bias, y):
+    """y = x W^T (+ bias)."""
+    k = native.kernels(w.dtype) if engine != "blas" else None
     if k is None or not (x.flags.c_contiguous and y.flags.c_contiguous):
         gemm(x, w.T, y)
         if bias is not None:
@@ -114,12 +130,39 @@ def _forward(k, x, w, bias, y):
         return
     m, n = y.shape
     bias_ptr = None if bias is None else native.ptr(bias)
+    if engine == "wide":
+        xt, mv = _lanes_first(x, "ip_xt")
+        run_parts(lambda r: k.ipw_forward(native.ptr(xt), native.ptr(w), bias_ptr, native.ptr(y),
+                                          m, mv, x.shape[1], n, *r), _ranges(n))
+        return
     run_parts(lambda r: k.ip_forward(native.ptr(x), native.ptr(w), bias_ptr, native.ptr(y), m,
                                      x.shape[1], n, *r), _ranges(n))
 
 
+def _backward(engine, dy, x, w, dx, dw):
+    """dx = dy W (when dx is given) and dW += dy^T x (when dW is given)."""
+    k = native.kernels(w.dtype) if engine != "blas" else None
+    contiguous = all(a is None or a.flags.c_contiguous for a in (dy, x, dx, dw))
+    if k is None or not contiguous or engine == "rows":
+        if dw is not None:
+            gemm(dy.T, x, dw, beta=1.0)
+        if dx is not None:
+            _backward_data(k if contiguous else None, dy, w, dx)
+        return
+    m, kk = x.shape
+    n = w.shape[0]
+    dyt, mv = _lanes_first(dy, "ip_dyt")
+    if dw is not None:
+        run_parts(lambda r: k.ipw_backward_weights(native.ptr(dyt), native.ptr(x), native.ptr(dw),
+                                                   m, dyt.shape[1], kk, *r), _ranges(n))
+    if dx is not None:
+        dxt = scratch("ip_dxt", (kk, dyt.shape[1]), dx.dtype)
+        run_parts(lambda r: k.ipw_backward_data(native.ptr(dyt), native.ptr(w), native.ptr(dxt),
+                                                native.ptr(dx), m, mv, kk, n, *r), _ranges(kk))
+
+
 def _backward_data(k, dy, w, dx):
-    """dx = dy W: the compiled kernel over runs of dx's columns side by side, or BLAS."""
+    """dx = dy W: the "rows" kernel over runs of dx's columns side by side, or BLAS."""
     if k is None or not (dy.flags.c_contiguous and dx.flags.c_contiguous):
         gemm(dy, w, dx)
         return
