@@ -40,30 +40,50 @@ def _uniform(f, shape, rng):
 NORMAL_PIECE = 1 << 19
 
 
-def _normal(mean, std, shape, rng):
-    """Normal draws made in float32 (twice as fast as float64 for big blobs). A big blob is
-    drawn in pieces of NORMAL_PIECE values, each from its own generator seeded from `rng`, side
-    by side on the BLAS threads (NumPy draws without the GIL): a DummyData top refilled every
-    iteration or an fc6 weight draws in a fraction of the time, and the values depend only on
-    the seed and the shape, never on the thread count."""
+def _standard_normal(gen, out):
+    """out (1-D, float32) = standard normal draws from `gen`: Box-Muller on float32 uniforms
+    (pairs r cos t, r sin t), three times as fast as NumPy's own float32 normals, whose cost
+    made a DummyData top refilled every iteration dearer than Caffe's."""
+    from caffepar.nn.blas import scratch
+    count = len(out)
+    half = -(-count // 2)
+    u = scratch("normal_uniforms", (2 * half,), np.float32)
+    gen.random(out=u, dtype=np.float32)
+    r, t = u[:half], u[half:]
+    np.subtract(np.float32(1), r, out=r)
+    np.log(r, out=r)
+    r *= np.float32(-2)
+    np.sqrt(r, out=r)
+    t *= np.float32(2 * np.pi)
+    rest = count - half
+    np.cos(t, out=out[:half])
+    out[:half] *= r
+    np.sin(t[:rest], out=out[half:])
+    out[half:] *= r[:rest]
+
+
+def _normal(mean, std, shape, rng, out=None):
+    """Normal draws made in float32 (into `out` when given, a C-contiguous float32 array). A
+    big blob is drawn in pieces of NORMAL_PIECE values, each from its own generator seeded
+    from `rng`, side by side on the BLAS threads (NumPy draws without the GIL): a DummyData top
+    refilled every iteration or an fc6 weight draws in a fraction of the time, and the values
+    depend only on the seed and the shape, never on the thread count."""
+    from caffepar.nn.blas import run_parts
     count = int(np.prod(shape)) if shape else 1
+    values = np.empty(shape, np.float32) if out is None else out
+    flat = values.reshape(-1)
     if count < 2 * NORMAL_PIECE:
-        values = rng.standard_normal(shape, dtype=np.float32)
+        _standard_normal(rng, flat)
     else:
-        from caffepar.nn.blas import run_parts
-        values = np.empty(shape, np.float32)
-        flat = values.reshape(-1)
         starts = range(0, count, NORMAL_PIECE)
         seeds = rng.integers(0, 2 ** 63, size=len(starts))
-
-        def draw(piece):
-            start, seed = piece
-            np.random.default_rng(seed).standard_normal(
-                out=flat[start:start + NORMAL_PIECE], dtype=np.float32)
-
-        run_parts(draw, list(zip(starts, seeds.tolist())))
-    values *= np.float32(std)
-    values += np.float32(mean)
+        run_parts(lambda piece: _standard_normal(np.random.default_rng(piece[1]),
+                                                 flat[piece[0]:piece[0] + NORMAL_PIECE]),
+                  list(zip(starts, seeds.tolist())))
+    if std != 1:
+        values *= np.float32(std)
+    if mean != 0:
+        values += np.float32(mean)
     return values
 
 
@@ -139,14 +159,21 @@ def filling():
     return not _shapes_only
 
 
-def fill(filler_param, shape, dtype=np.float32, rng=None):
-    """A new array of `shape` filled as `filler_param` (a caffe FillerParameter) says."""
+def fill(filler_param, shape, dtype=np.float32, rng=None, out=None):
+    """A new array of `shape` filled as `filler_param` (a caffe FillerParameter) says; or
+    `out` filled in place (the values are the same)."""
     kind = filler_param.type
     if kind not in FILLERS:
         raise LayerError(f'unknown filler type "{kind}" (known: {", ".join(sorted(FILLERS))})')
     shape = tuple(int(d) for d in shape)
+    if (out is not None and kind == "gaussian" and filler_param.sparse < 0
+            and out.dtype == np.float32 and out.flags.c_contiguous and out.shape == shape):
+        return _normal(filler_param.mean, filler_param.std, shape, rng or common.rng(), out)
     try:
         values = FILLERS[kind](filler_param, shape, rng or common.rng())
     except ValueError as e:
         raise LayerError(f"{kind} filler: {e}") from None
+    if out is not None:
+        out[...] = values
+        return out
     return np.ascontiguousarray(values, dtype=dtype)

@@ -85,7 +85,7 @@ class DummyDataLayer(Layer):
     def forward(self, bottom, top):
         for f, again, t in zip(self.fillers, self.refill, top):
             if again:
-                t.data[...] = fill(f, t.shape, self.dtype)
+                fill(f, t.shape, self.dtype, out=t.data)
 
     def backward(self, top, propagate_down, bottom):
         pass
@@ -453,6 +453,50 @@ class ImageDataLayer(_StreamingDataLayer):
         recs = self.records(self.positions(index))
         images = _stack(self, [self.read(int(r)) for r in recs], "images")
         return [self.transformer(images, self.batch_rng(index)), self.labels[recs]]
+
+
+@register("HDF5Output")
+class HDF5OutputLayer(Layer):
+    """Saves its two bottoms into an HDF5 file as the datasets "data" and "label", each as 4-D
+    (Caffe's num, channels, height, width): features or predictions written out by a forward
+    pass. The file is created empty at setup, as Caffe creates it; every forward replaces both
+    datasets with its batch (Caffe's layer fails at a second forward, the names being taken). In
+    a P-rank run rank r writes its share of the batch to NAME.rank<r>.EXT."""
+
+    exact_bottoms = 2
+    exact_tops = 0
+
+    def layer_setup(self, bottom, top):
+        name = self.param.hdf5_output_param.file_name
+        if not name:
+            raise self.error("hdf5_output_param { file_name } is required")
+        rank, size = getattr(self, "shard", (0, 1))
+        if size > 1:
+            stem, ext = os.path.splitext(name)
+            name = f"{stem}.rank{rank}{ext}"
+        self.path = name
+        self._write({})
+
+    def reshape(self, bottom, top):
+        if bottom[0].num != bottom[1].num:
+            raise self.error(f"data and label must have the same num: bottoms have "
+                             f"{bottom[0].shape} and {bottom[1].shape}")
+
+    def _write(self, datasets):
+        try:
+            with h5py.File(self.path, "w") as f:
+                for key, array in datasets.items():
+                    f.create_dataset(key, data=array)
+        except OSError as e:
+            raise DataError(f"cannot write HDF5 output: {e}", path=self.path, layer=self.name,
+                            layer_type=self.param.type) from None
+
+    def forward(self, bottom, top):
+        self._write({key: b.data.reshape([b.legacy_shape(i) for i in range(4)])
+                     for key, b in zip(("data", "label"), bottom)})
+
+    def backward(self, top, propagate_down, bottom):
+        pass
 
 
 @register("MemoryData")
