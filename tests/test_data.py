@@ -412,6 +412,40 @@ def test_hdf5_data_shuffle_covers_epoch_and_refuses_transform(tmp_path):
         make_layer(text + " transform_param { scale: 2 }", net_dir=str(tmp_path), ntop=1)
 
 
+def test_hdf5_output_writes_bottoms_as_4d_datasets(tmp_path):
+    import h5py
+    out = tmp_path / "out.h5"
+    text = f"""name: "o" type: "HDF5Output" bottom: "data" bottom: "label"
+    hdf5_output_param {{ file_name: "{out}" }}"""
+    for shard, path in [((0, 1), out), ((1, 2), tmp_path / "out.rank1.h5")]:
+        layer = create_layer(text_format.Parse(text, caffe_pb2.LayerParameter()), TRAIN,
+                             np.float32)
+        layer.shard = shard
+        data, label = Blob((3, 2, 4, 5)), Blob((3,))
+        layer.setup([data, label], [])
+        with h5py.File(path, "r") as f:
+            assert list(f) == []
+        for k in range(2):
+            data.data[...] = np.random.default_rng(k).standard_normal(data.shape)
+            label.data[...] = np.arange(3) + k
+            layer.reshape([data, label], [])
+            layer.forward([data, label], [])
+            with h5py.File(path, "r") as f:
+                np.testing.assert_array_equal(f["data"][...], data.data)
+                np.testing.assert_array_equal(f["label"][...], label.data.reshape(3, 1, 1, 1))
+    with pytest.raises(CaffeparError, match="same num"):
+        layer.reshape([Blob((3, 2)), Blob((2,))], [])
+    bad = text.replace(str(out), str(tmp_path / "missing" / "out.h5"))
+    with pytest.raises(DataError, match="cannot write HDF5 output") as e:
+        create_layer(text_format.Parse(bad, caffe_pb2.LayerParameter()), TRAIN,
+                     np.float32).setup([Blob((1, 1)), Blob((1,))], [])
+    assert "missing" in str(e.value)
+    with pytest.raises(CaffeparError, match="file_name"):
+        create_layer(text_format.Parse(text.replace(f'file_name: "{out}"', ""),
+                                       caffe_pb2.LayerParameter()), TRAIN, np.float32).setup(
+            [Blob((1, 1)), Blob((1,))], [])
+
+
 # ---------------------------------------------------------------- MemoryData
 MEMORY_NET = """name: "m"
 layer { name: "mem" type: "MemoryData" top: "data" top: "label"
