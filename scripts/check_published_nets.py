@@ -3,6 +3,7 @@
 line naming what it does not support; a Python traceback or a hang is a caffepar bug.
 
     python scripts/check_published_nets.py DIR [--out results/published_nets] [--timeout 300]
+                                           [--resume [--recheck GLOB ...]]
 
 For each net prototxt under DIR (any depth): `convert info`, `plan --np 4`, `convert upgrade
 --check`, `time --iterations 1` (TEST phase for nets with data layers, whose datasets are
@@ -10,9 +11,13 @@ not there: a one-line refusal naming the missing source is the expected answer),
 weights saved through the pycaffe API, and `convert onnx --verify` with them. For each solver
 prototxt: `convert upgrade --check`. Every command runs in its own process with a timeout.
 Writes OUT.csv and OUT.md; the exit status is 1 when a command gave a traceback or timed out.
+
+results/published_nets.* were made on the folder FOLDER_LAYOUT describes (the published files,
+never part of this repository).
 """
 import argparse
 import csv
+import fnmatch
 import os
 import subprocess
 import sys
@@ -21,6 +26,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+FOLDER_LAYOUT = """The folder: `bvlc/` = every `*.prototxt` under `models/` and `examples/` of
+BVLC/caffe (master); `resnet/` = ResNet-50/101/152-deploy.prototxt of
+KaimingHe/deep-residual-networks; `squeezenet/v1.0`, `v1.1` = forresti/SqueezeNet's
+(deploy, train_val, solver); `mobilenet/` = shicai/MobileNet-Caffe's mobilenet_deploy and
+mobilenet_v2_deploy; `densenet/` = shicai/DenseNet-Caffe's DenseNet_121/161/169/201, and copies
+`*_no_ceil_mode` with their `ceil_mode: false` lines deleted (a field of a Caffe fork, not of
+BVLC Caffe); `fcn/` = shelhamer/fcn.berkeleyvision.org's voc-fcn8s, voc-fcn16s, voc-fcn32s,
+voc-fcn-alexnet, voc-fcn8s-atonce and siftflow-fcn8s folders (their prototxts); `v0/` = the two
+V0-format nets written out in BVLC Caffe's src/caffe/test/test_upgrade_proto.cpp
+(all-parameters and ImageNet-with-padding); `v1/` = V1-format nets (a small one and a
+train/test one)."""
 COMMANDS = ["info", "plan", "upgrade", "time", "weights", "onnx"]
 SAVE_WEIGHTS = """
 import sys
@@ -93,17 +109,33 @@ def check_net(path, folder, timeout):
     return out
 
 
+FIELDS = ["prototxt", "kind"] + [f for c in COMMANDS for f in (c, f"{c}_reason")]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", help="a folder of published prototxts (any depth)")
     ap.add_argument("--out", default=str(ROOT / "results" / "published_nets"))
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the rows OUT.csv already has (a run cut short goes on)")
+    ap.add_argument("--recheck", action="append", default=[], metavar="GLOB",
+                    help="with --resume: check again the prototxts matching GLOB")
     args = ap.parse_args()
     folder = Path(args.folder).resolve()
-    paths = sorted(folder.rglob("*.prototxt"))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = {}
+    if args.resume and out.with_suffix(".csv").exists():
+        with open(out.with_suffix(".csv"), newline="") as f:
+            done = {r["prototxt"]: r for r in csv.DictReader(f)
+                    if not any(fnmatch.fnmatch(r["prototxt"], g) for g in args.recheck)}
     rows = []
-    for path in paths:
+    for path in sorted(folder.rglob("*.prototxt")):
         name = str(path.relative_to(folder))
+        if name in done:
+            rows.append({k: v for k, v in done[name].items() if v != ""})
+            continue
         if is_solver(path):
             status = run([sys.executable, "-m", "caffepar.cli", "convert", "upgrade", str(path),
                           os.devnull, "--check"], args.timeout, path.parent)
@@ -116,13 +148,8 @@ def main():
                 row[cmd], row[f"{cmd}_reason"] = result[cmd][0], result[cmd][1]
             rows.append(row)
         print(name, {k: v for k, v in rows[-1].items() if k in COMMANDS}, flush=True)
-    fields = ["prototxt", "kind"] + [f for c in COMMANDS for f in (c, f"{c}_reason")]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
+        _write_csv(out, rows + [r for n, r in done.items() if n not in {x["prototxt"] for x in rows}])
+    _write_csv(out, rows)
     bad = [(r["prototxt"], c, r[c], r[f"{c}_reason"]) for r in rows for c in COMMANDS
            if r.get(c) in ("TRACEBACK", "TIMEOUT", "UNCLEAR")]
     counts = {}
@@ -140,7 +167,7 @@ def main():
              "train/val nets, mostly their datasets, which are not part of the published "
              "files). Columns: convert info, plan --np 4, convert upgrade --check, time "
              "(TEST phase, one iteration), random weights saved through the pycaffe API, "
-             "convert onnx --verify.", ""]
+             "convert onnx --verify.", "", " ".join(FOLDER_LAYOUT.split()), ""]
     lines += ["| prototxt | " + " | ".join(COMMANDS) + " |",
               "|---|" + "---|" * len(COMMANDS)]
     for r in rows:
@@ -160,6 +187,16 @@ def main():
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out.with_suffix('.md')}: {len(bad)} problem(s)")
     return 1 if bad else 0
+
+
+def _write_csv(out, rows):
+    """OUT.csv with `rows`, replaced in one step (a run cut short leaves the last whole file)."""
+    tmp = out.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, out.with_suffix(".csv"))
 
 
 def _cell(row, command):
