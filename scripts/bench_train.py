@@ -261,7 +261,10 @@ def main():
         write_results(Path(args.out), rows, pool, dict(
             cpu=cpu_name(), threads=threads, sgemm=rate, kernels=kernels, started=started,
             load=(load_start, load_end), caffe=args.caffe, rounds=args.rounds,
-            coretype=os.environ.get("OPENBLAS_CORETYPE", "(OpenBLAS's choice)")))
+            coretype=os.environ.get("OPENBLAS_CORETYPE", "(OpenBLAS's choice)"),
+            builds=", ".join(f"{k}={os.environ[k]}" for k in ("CAFFEPAR_CFLAGS",
+                                                             "ATEN_CPU_CAPABILITY")
+                             if os.environ.get(k))))
 
 
 def write_results(out, rows, pool, info):
@@ -282,7 +285,9 @@ def write_results(out, rows, pool, info):
         f"Written by `python scripts/bench_train.py` ({info['started']}, {info['rounds']} "
         f"alternating rounds, fastest counts). CPU: {info['cpu']}; {info['threads']} "
         f"thread(s); OPENBLAS_CORETYPE {info['coretype']}; NumPy SGEMM {info['sgemm']:.0f} "
-        f"GFLOP/s; caffepar kernels: {info['kernels']}.",
+        f"GFLOP/s; caffepar kernels: {info['kernels']}" +
+        (f" ({info['builds']}: code for another instruction set than the host's best)"
+         if info.get("builds") else "") + ".",
         "",
         f"Load average (1 min) {info['load'][0]:.2f} at the start and {info['load'][1]:.2f} at "
         f"the end: " + ("**measured on a loaded machine** (other jobs shared the cores; "

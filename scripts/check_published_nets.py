@@ -56,8 +56,14 @@ print(f"saved {len(net.params)} layers' weights")
 
 
 def is_solver(path):
-    text = path.read_text(errors="replace")
-    return ("base_lr" in text or "max_iter" in text) and "layer" not in text
+    """Whether the file parses as a SolverParameter (a solver with its net inline too)."""
+    from google.protobuf import text_format
+    from caffepar.proto import caffe_pb2
+    try:
+        text_format.Parse(path.read_text(errors="replace"), caffe_pb2.SolverParameter())
+    except text_format.ParseError:
+        return False
+    return True
 
 
 def run(argv, timeout, cwd):
