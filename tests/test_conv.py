@@ -567,13 +567,11 @@ DIRECT_CASES = [cs for cs in CASES if len(cs[2]) == 2] + [
 @pytest.mark.parametrize("cs", DIRECT_CASES, ids=ids)
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-4)])
 @pytest.mark.parametrize("by_images", [True, False])
-@pytest.mark.parametrize("dw_by_channels", [True, False])
-def test_direct_engine(cs, dtype, tol, by_images, dw_by_channels, kernel_path, monkeypatch):
+def test_direct_engine(cs, dtype, tol, by_images, kernel_path, monkeypatch):
     """The compiled direct engine for every 2-D case it takes (strided ones too): forward, dx,
     dw, db, and deconvolution through it; each run of images doing all its steps, or each step
-    over the whole batch; dw summed by runs of images or cut by input channels."""
+    over the whole batch."""
     monkeypatch.setattr(direct, "_by_images", lambda n: by_images)
-    monkeypatch.setattr(direct, "_dw_by_channels", lambda *a: dw_by_channels)
     x, w, b, dy = make(cs)
     args = cs[5:]
     g = geometry.Geom(x.shape[2:], w.shape[2:], *args[:3])

@@ -14,13 +14,8 @@ is the forward kernel on dy, padded for the flipped kernel (for a strided layer,
 stride grid first: a cost that grows with the stride, which the engine measurement weighs), with
 flipped weights. Work is cut in parts (runs of images x output
 rows, or x input channels for dw) run side by side with ``run_parts``; each run of images sums
-its own dw, and the runs' sums are added in order (``geometry.SUM_PARTS`` runs at most). When
-there are input channels enough and the batch's dy fits in cache (13x13 layers), dw is cut by
-input channels instead: every part sums the whole batch into its own rows of one dw, with no
-partial sums to zero, add and stream through memory (AlexNet's conv3-5 dw: 1.1-1.4x faster).
+its own dw, and the runs' sums are added in order (``geometry.SUM_PARTS`` runs at most).
 """
-import math
-
 import numpy as np
 
 from caffepar.nn import native
@@ -30,9 +25,6 @@ from caffepar.nn.conv.geometry import flipped_weights
 
 #: Parts per thread the work is cut in (a thread slowed by other load takes fewer).
 PARTS_PER_THREAD = 4
-#: Bytes of dy a weight-gradient part reads again for every input channel, at most, when dw is
-#: cut by input channels (about a core's L2 cache).
-DW_BLOCK_BYTES = 1 << 20
 
 
 def applicable(g, dtype):
@@ -179,21 +171,16 @@ def backward(g, dy, x, w, dx, group, need_dw, dt):
     hp, wp = (i + 2 * p for i, p in zip(g.in_sp, g.pad))
     shapes = {"x": (n, cg, hp, wp), "dyl": (n,) + g.out + (_lanes(og, dt),),
               "dyp": (n, og) + spread, "dxl": (n,) + g.in_sp + (_lanes(cg, dt),)}
-    by_channels = need_dw and _dw_by_channels(n, cg, g.out, og, dt)
     for gi in range(group):
         wt = lay.weights(wf[gi * cg:(gi + 1) * cg]) if dx is not None else None
-        if by_channels:
-            dw[gi * og:(gi + 1) * og] = _dw_by_channels_run(lay, x, dy, gi, cg, og, g, dt)
-            if dx is None:
-                continue
         if _by_images(n):
             runs = _parts(n, 1, geometry.SUM_PARTS)
             sums = np.zeros((len(runs), cg) + g.kernel + (_lanes(og, dt),), dt) \
-                if need_dw and not by_channels else None
+                if need_dw else None
 
             def run(i, m, _r0, _r1):
                 buf = _buffers(shapes, dt, m)
-                if sums is not None:
+                if need_dw:
                     lay.pad(buf["x"], x[i:i + m], 0, m, gi * cg, cg, g.pad)
                     lay.to_lanes(buf["dyl"], dy[i:i + m], 0, m, gi * og, og)
                     lay.weight_gradient(sums[[r[0] for r in runs].index(i)], buf["x"],
@@ -206,7 +193,7 @@ def backward(g, dy, x, w, dx, group, need_dw, dt):
             _run(run, runs)
         else:
             buf = _buffers(shapes, dt)
-            if need_dw and not by_channels:
+            if need_dw:
                 _run(lambda i, m, _a, _b: (
                     lay.pad(buf["x"], x, i, m, gi * cg, cg, g.pad),
                     lay.to_lanes(buf["dyl"], dy, i, m, gi * og, og)), _parts(n, 1))
@@ -222,35 +209,12 @@ def backward(g, dy, x, w, dx, group, need_dw, dt):
                                                        r0, r1), _parts(n, g.in_sp[0]))
                 _run(lambda i, m, _a, _b: lay.from_lanes(buf["dxl"], dx, i, m, gi * cg, cg,
                                                          None), _parts(n, 1))
-        if need_dw and not by_channels:
+        if need_dw:
             total = sums[0]
             for part in sums[1:]:
                 total += part
             dw[gi * og:(gi + 1) * og] = np.moveaxis(total[..., :og], -1, 0)
     return dw
-
-
-def _dw_by_channels(n, channels, out, og, dt):
-    """Whether dw is cut by input channels, every part summing the whole batch into its own
-    slice of one dw (no partial sums to add), rather than by runs of images: when there are
-    channels enough for every thread and a block of dy (the whole batch's pixels x the kernel's
-    output-channel vectors, read again for every input channel) stays in cache."""
-    block = n * math.prod(out) * min(_lanes(og, dt), 4 * 64 // dt.itemsize) * dt.itemsize
-    return channels >= 2 * PARTS_PER_THREAD * blas_threads() and block <= DW_BLOCK_BYTES
-
-
-def _dw_by_channels_run(lay, x, dy, gi, cg, og, g, dt):
-    n = len(x)
-    hp, wp = (i + 2 * p for i, p in zip(g.in_sp, g.pad))
-    buf = _buffers({"dw_x": (n, cg, hp, wp), "dw_dyl": (n,) + g.out + (_lanes(og, dt),)}, dt)
-    _run(lambda i, m, _a, _b: (lay.pad(buf["dw_x"], x, i, m, gi * cg, cg, g.pad),
-                               lay.to_lanes(buf["dw_dyl"], dy, i, m, gi * og, og)),
-         _parts(n, 1))
-    total = np.zeros((cg,) + g.kernel + (_lanes(og, dt),), dt)
-    pieces = split_parts(range(cg), PARTS_PER_THREAD * blas_threads())
-    _run(lambda c0, c1: lay.weight_gradient(total, buf["dw_x"], buf["dw_dyl"], 0, n, g, c0, c1),
-         [(c[0], c[-1] + 1) for c in pieces])
-    return np.moveaxis(total[..., :og], -1, 0)
 
 
 def _spread(lay, out, dy, first, channels, g):
