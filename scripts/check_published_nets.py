@@ -4,12 +4,15 @@ line naming what it does not support; a Python traceback or a hang is a caffepar
 
     python scripts/check_published_nets.py DIR [--out results/published_nets] [--timeout 300]
                                            [--resume [--recheck GLOB ...]]
+                                           [--conv-engines measure]
 
 For each net prototxt under DIR (any depth): `convert info`, `plan --np 4`, `convert upgrade
 --check`, `time --iterations 1` (TEST phase for nets with data layers, whose datasets are
 not there: a one-line refusal naming the missing source is the expected answer), random
 weights saved through the pycaffe API, and `convert onnx --verify` with them. For each solver
-prototxt: `convert upgrade --check`. Every command runs in its own process with a timeout.
+prototxt: `convert upgrade --check`. Every command runs in its own process with a timeout,
+with the convolution engines a user's first run gets (measured on the machine: every engine a
+layer shape lists is timed), unless --conv-engines says otherwise.
 Writes OUT.csv and OUT.md; the exit status is 1 when a command gave a traceback or timed out.
 
 results/published_nets.* were made on the folder FOLDER_LAYOUT describes (the published files,
@@ -66,10 +69,13 @@ def is_solver(path):
     return True
 
 
+CONV_ENGINES = "measure"      # CAFFEPAR_CONV_ENGINES of every command (--conv-engines)
+
+
 def run(argv, timeout, cwd):
     """(status, the one line that says why, seconds): ran / refused / TRACEBACK / TIMEOUT."""
     t0 = time.monotonic()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    env = dict(os.environ, CAFFEPAR_CONV_ENGINES=CONV_ENGINES, PYTHONPATH=os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd,
@@ -127,7 +133,12 @@ def main():
                     help="keep the rows OUT.csv already has (a run cut short goes on)")
     ap.add_argument("--recheck", action="append", default=[], metavar="GLOB",
                     help="with --resume: check again the prototxts matching GLOB")
+    ap.add_argument("--conv-engines", default="measure",
+                    help="CAFFEPAR_CONV_ENGINES of the commands: measure (a first run's "
+                         "default), rules, or an engine's name")
     args = ap.parse_args()
+    global CONV_ENGINES
+    CONV_ENGINES = args.conv_engines
     folder = Path(args.folder).resolve()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -173,7 +184,11 @@ def main():
              "train/val nets, mostly their datasets, which are not part of the published "
              "files). Columns: convert info, plan --np 4, convert upgrade --check, time "
              "(TEST phase, one iteration), random weights saved through the pycaffe API, "
-             "convert onnx --verify.", "", " ".join(FOLDER_LAYOUT.split()), ""]
+             "convert onnx --verify.", "",
+             f"Convolution engines: `{CONV_ENGINES}`"
+             + (" (each layer shape times every engine able to run it, as a first run "
+                "does)." if CONV_ENGINES == "measure" else "."), "",
+             " ".join(FOLDER_LAYOUT.split()), ""]
     lines += ["| prototxt | " + " | ".join(COMMANDS) + " |",
               "|---|" + "---|" * len(COMMANDS)]
     for r in rows:

@@ -2,6 +2,7 @@
 is refused in one line, a solver (its net inline too); the CSV and markdown it writes, and a
 resumed run that checks again only what --recheck names."""
 import csv
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +13,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "check_published_nets.py"
 
 NET = """name: "small"
-layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 2 dim: 6 dim: 6 } } }
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 2 dim: 4 dim: 4 } } }
 layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
         convolution_param { num_output: 3 kernel_size: 3 weight_filler { type: "gaussian" std: 0.1 } } }
-layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip" inner_product_param { num_output: 4 } }
+layer { name: "conv2" type: "Convolution" bottom: "conv" top: "conv2"
+        convolution_param { num_output: 3 kernel_size: 3 stride: 2 pad: 1 } }
+layer { name: "ip" type: "InnerProduct" bottom: "conv2" top: "ip" inner_product_param { num_output: 4 } }
 layer { name: "prob" type: "Softmax" bottom: "ip" top: "prob" }
 """
 UNKNOWN = NET.replace('type: "Softmax"', 'type: "NoSuchLayer"')
@@ -24,8 +27,9 @@ INLINE_SOLVER = 'base_lr: 0.01\nmax_iter: 10\nnet_param { ' + NET.replace("\n", 
 
 
 def check(folder, out, *extra):
+    env = dict(os.environ, CAFFEPAR_CACHE_DIR=str(out.parent / "cache"))
     done = subprocess.run([sys.executable, str(SCRIPT), str(folder), "--out", str(out),
-                           "--timeout", "120", *extra], capture_output=True, text=True)
+                           "--timeout", "120", *extra], capture_output=True, text=True, env=env)
     with open(out.with_suffix(".csv"), newline="") as f:
         return done, {r["prototxt"]: r for r in csv.DictReader(f)}
 
@@ -52,6 +56,9 @@ def test_check_published_nets(tmp_path):
         assert rows[name]["kind"] == "solver" and rows[name]["upgrade"] == "ran"
     md = out.with_suffix(".md").read_text()
     assert "tracebacks, hangs or unclear reports: 0" in md and "NoSuchLayer" in md
+    # The engines a first run measures (the test suite's own are the fixed rules), conv2's
+    # 3x3 kernel on a 2x2 input among them.
+    assert "Convolution engines: `measure`" in md
 
     (folder / "small.prototxt").write_text(UNKNOWN)      # kept: not rechecked
     (folder / "sub" / "unknown.prototxt").write_text(NET)

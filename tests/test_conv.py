@@ -588,3 +588,46 @@ def test_direct_engine(cs, dtype, tol, by_images, kernel_path, monkeypatch):
     close(dx, ref_conv_grads(dy, x, w, *args)[0], tol)
     yd = cm.deconv_forward(dd, ww, None, *args)
     close(yd, ref_deconv(dy, w, None, *args), tol)
+
+
+# Geometries a first run meets in published nets and that fixed-threshold tests never reach:
+# kernels larger than the unpadded input (MobileNet-SSD's conv17_2: 2x2 input, k3 s2 p1),
+# strides larger than the kernel, dilation, groups and depthwise, 1x1 inputs.
+ODD_CASES = [
+    case(1, 8, (2, 2), 4, 3, 1, 1),
+    case(2, 8, (2, 2), 6, 3, 2, 1),
+    case(2, 3, (1, 1), 4, 3, 1, 1),
+    case(2, 4, (1, 1), 6, 1),
+    case(2, 4, (3, 2), 4, 5, 1, 2),
+    case(2, 4, (2, 3), 4, 3, 1, 2, 2),
+    case(2, 4, (5, 5), 6, 3, 1, 2, 3),
+    case(2, 4, (7, 6), 4, 2, 3, 0),
+    case(2, 4, (9, 9), 6, 1, 4, 0),
+    case(2, 4, (5, 4), 6, 2, 3, 1, 1, 2),
+    case(2, 4, (2, 2), 4, 3, 1, 1, 1, 4),
+    case(2, 6, (3, 3), 6, 5, 2, 2, 1, 3),
+    case(2, 4, (4, 1), 4, (3, 1), (1, 2), (1, 0), (2, 1)),
+]
+
+
+@pytest.mark.parametrize("cs", ODD_CASES, ids=ids)
+def test_engines_declare_odd_geometries(cs, tmp_path, monkeypatch):
+    """Every engine a shape's candidates name runs it right (forward, dx, dw, db, against the
+    naive reference), and the default measured path, which times all of them on a first run,
+    ends with the right answer too."""
+    from caffepar.nn import calibrate
+    from caffepar.nn.conv import dispatch
+    x, w, b, dy = make(cs, dtype=np.float32)
+    args = cs[5:]
+    want = ref_conv(x, w, b, *args)
+    grads = ref_conv_grads(dy, x, w, *args)
+    g = geometry.Geom(x.shape[2:], w.shape[2:], *args[:3])
+    monkeypatch.setenv("CAFFEPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibrate, "_chosen", {})
+    engines = dispatch.candidates(g, w.shape[1], args[3], np.dtype(np.float32))
+    for engine in engines + ["measure"]:
+        monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", engine)
+        close(cm.conv_forward(x, w, b, *args), want, 1e-4)
+        for got, ref in zip(cm.conv_backward(dy, x, w, *args), grads):
+            close(got, ref, 1e-4)
+        close(cm.deconv_forward(dy, w, None, *args), ref_deconv(dy, w, None, *args), 1e-4)

@@ -28,7 +28,12 @@ PARTS_PER_THREAD = 4
 
 
 def applicable(g, dtype):
-    return (g.nd == 2 and _dx_pad(g) is not None and native.kernels(dtype) is not None)
+    """2-D layers on the compiled kernels whose dilated kernel fits in the unpadded input
+    (dx is a convolution over the input's own extent: a 3x3 kernel on a 2x2 input, as
+    MobileNet-SSD's conv17_2, has none)."""
+    return (g.nd == 2 and _dx_pad(g) is not None
+            and all(d * (k - 1) < i for i, k, d in zip(g.in_sp, g.kernel, g.dilation))
+            and native.kernels(dtype) is not None)
 
 
 def _dx_pad(g):

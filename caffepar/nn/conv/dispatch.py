@@ -21,7 +21,9 @@ def rule_engine(g, cg, og, group):
 
 
 def candidates(g, cg, group, dt):
-    """The engines able to run a shape."""
+    """The engines able to run a shape, as each engine's `applicable` declares (grid takes any):
+    the measured choice times only these, so an engine that cannot take a geometry (a kernel
+    larger than the input, a stride, dilation or group it lacks) is never tried."""
     found = [name for name, able in (("direct", direct.applicable(g, dt)),
                                      ("winograd", winograd.applicable(g)),
                                      ("pointwise", pointwise.applicable(g)),
