@@ -3,7 +3,9 @@
 Unless a real Caffe is installed, importing caffepar also makes `caffe` (and caffe.proto,
 caffe.draw, ...) name caffepar's modules, so `from caffe import layers as L` and Python layer
 modules that `import caffe` work unchanged."""
-from caffepar import _threads  # noqa: F401  (must run before NumPy loads BLAS)
+from caffepar import _signals
+_signals.hold()     # the command notes signals until it can act on them (see _signals)
+from caffepar import _threads  # noqa: E402,F401  (must run before NumPy loads BLAS)
 from caffepar import io, proto
 from caffepar.pycaffe import (TEST, TRAIN, Layer, Net, layer_type_list, set_device, set_mode_cpu,
                               set_mode_gpu, set_random_seed)

@@ -9,6 +9,7 @@ import sys
 
 import click
 
+from caffepar import _signals
 from caffepar.errors import CaffeparError
 
 _CAFFE_SINGLE_DASH = re.compile(r"^-([a-z][a-z_]+)(=.*)?$")
@@ -140,6 +141,8 @@ def cli(ctx, debug):
     """caffepar: train, test and time Caffe models on the CPU."""
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    if ctx.invoked_subcommand != "train":       # train's solver and launcher take them over
+        _signals.release()
     ctx.obj.setdefault("argv", [])
 
 
@@ -781,6 +784,8 @@ def failure(error, debug=False):
         return 130, "aborted"
     if isinstance(error, click.exceptions.Exit):
         return error.exit_code, ""
+    if isinstance(error, _signals.StartSignal):
+        return 128 + error.signum, str(error)
     if isinstance(error, click.ClickException):
         return error.exit_code, f"Error: {error.format_message()}"
     if isinstance(error, SystemExit):
@@ -823,6 +828,7 @@ def main(argv=None):
     debug = "--debug" in argv
     obj = {"argv": argv}
     try:
+        _signals.interruptible()
         cli.main(args=argv, prog_name="caffepar", standalone_mode=False, obj=obj)
     except BaseException as e:
         comm = obj.get("comm")

@@ -21,8 +21,13 @@ class SignalActions:
         self.previous = {}
 
     def install(self):
+        """Take over the signals, with those that came while the command started."""
+        from caffepar import _signals
+        noted = _signals.take()
         for sig in self.effects:
             self.previous[sig] = signal.signal(sig, self._handle)
+        for sig in noted:
+            self._handle(sig, None)
         return self
 
     def restore(self):

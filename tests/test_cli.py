@@ -218,3 +218,26 @@ layer { name: "fc" type: "InnerProduct" bottom: "a" top: "b"
     assert code == 0, err
     wiring = [" ".join(l.split()[2:5]) for l in out.splitlines() if l.startswith("fc ")]
     assert wiring == ["data -> a", "a -> b"]
+
+
+@pytest.mark.parametrize("sig, code, line", [("SIGINT", 130, "aborted"),
+                                             ("SIGTERM", 143, "caffepar: SIGTERM received "
+                                                              "while starting; stopped")])
+def test_signal_while_starting_is_one_line(sig, code, line):
+    """Ctrl-C or SIGTERM while the command still imports: one line and the signal's status,
+    no traceback (the command ends at once when the signal comes after it has finished)."""
+    import signal
+    import time
+    stopped = 0
+    for delay in (0.15, 0.3):
+        proc = subprocess.Popen([sys.executable, "-m", "caffepar.cli", "convert", "info",
+                                 str(BAD / "small.prototxt")], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        time.sleep(delay)
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=60)
+        assert "Traceback" not in err
+        if proc.returncode != 0:
+            assert (proc.returncode, err.strip()) == (code, line)
+            stopped += 1
+    assert stopped, "every signal came after the command had finished"

@@ -354,3 +354,25 @@ def test_second_run_on_a_prefix_is_refused(tmp_path, run):
     first.proc.send_signal(signal.SIGTERM)
     assert first.finish(60) == 0
     assert not (tmp_path / "snap/tiny.lock").exists()
+
+
+# ------------------------------------------------------------------------ signals at startup
+@pytest.mark.parametrize("ranks, sig, after", [(1, "SIGINT", 0.3), (2, "SIGINT", 0.3),
+                                               (2, "SIGHUP", 1.2)])
+def test_signal_while_starting_is_honoured(tmp_path, run, ranks, sig, after):
+    """A signal that comes while the command imports, starts MPI or builds the net is kept
+    until the solver runs, then acted on as ever: no traceback, and no transport taking
+    SIGHUP as its own (UCX's debug logging)."""
+    job = run(workdir(tmp_path), ranks)
+    time.sleep(after)
+    job.proc.send_signal(getattr(signal, sig))
+    job.wait_for(f"Signal {sig} received")
+    first = wait_until(lambda: snapshots(tmp_path), 30)
+    assert len(first) == 1
+    if sig == "SIGHUP":
+        job.wait_for(f"Iteration {first[0] + 20 - first[0] % 10},")    # still training
+        job.proc.send_signal(signal.SIGTERM)
+    assert job.finish(60) == 0, job.output
+    assert "Optimization stopped early." in job.output
+    assert "Traceback" not in job.output and "UCX" not in job.output, job.output[-3000:]
+    assert error_lines(job.output) == []

@@ -79,3 +79,39 @@ def test_missing_python_class_names_the_layer(tmp_path, user_module):
     path.write_text(NET % ("Python", 'python_param { module: "user_losses" layer: "Nope" }'))
     with pytest.raises(LayerError, match='layer "loss".*has no class "Nope"'):
         caffe.Net(str(path), caffe.TRAIN)
+
+
+@pytest.mark.parametrize("source, last_line", [
+    ('raise RuntimeError("no GPU here")\n', "RuntimeError: no GPU here"),
+    ("def broken(:\n    pass\n", "SyntaxError: invalid syntax (failing_module.py, line 1)"),
+])
+@pytest.mark.parametrize("command", ["info", "time", "train"])
+def test_python_module_that_fails_to_import_is_one_line(tmp_path, capsys, source, last_line,
+                                                        command):
+    """A module whose own code raises (or does not compile) is named with its layer and the
+    error's last line, without a traceback, in every command; --debug shows the traceback."""
+    from caffepar.cli import main
+    (tmp_path / "failing_module.py").write_text(source)
+    net = tmp_path / "net.prototxt"
+    net.write_text(NET % ("Python", 'python_param { module: "failing_module" layer: "L" }'))
+    (tmp_path / "solver.prototxt").write_text(f'net: "{net}"\nbase_lr: 0.1\nmax_iter: 1\n'
+                                              'lr_policy: "fixed"\n')
+    argv = {"info": ["convert", "info", str(net)],
+            "time": ["time", "--model", str(net), "--iterations", "1"],
+            "train": ["train", "--solver", str(tmp_path / "solver.prototxt")]}[command]
+    try:
+        with pytest.raises(SystemExit) as ended:
+            main(argv)
+        err = capsys.readouterr().err
+        assert ended.value.code == 1
+        assert err.strip().splitlines()[-1] == (
+            f'caffepar: {net}:5: error: layer "loss" (Python): python module "failing_module" '
+            f'(class "L") failed to import: {last_line}'), err
+        assert "Traceback" not in err
+        sys.modules.pop("failing_module", None)
+        with pytest.raises(Exception) as shown:
+            main(["--debug"] + argv)
+        assert isinstance(shown.value.__cause__, (RuntimeError, SyntaxError))
+    finally:
+        sys.modules.pop("failing_module", None)
+        sys.path[:] = [p for p in sys.path if p != str(tmp_path)]

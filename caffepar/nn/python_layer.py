@@ -35,7 +35,10 @@ class PythonLayer(Layer):
         try:
             module = importlib.import_module(p.module)
         except ImportError as e:
-            raise self.error(f'cannot import python module "{p.module}": {e}') from None
+            raise self.error(f'cannot import python module "{p.module}": {e}') from e
+        except Exception as e:      # the module's own code failed (--debug shows where)
+            raise self.error(f'python module "{p.module}" (class "{p.layer}") failed to import: '
+                             f'{type(e).__name__}: {e}') from e
         cls = getattr(module, p.layer, None)
         if cls is None:
             raise self.error(f'module "{p.module}" has no class "{p.layer}"')

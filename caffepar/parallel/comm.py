@@ -188,6 +188,9 @@ class MpiComm(Comm):
 
     def __init__(self, comm=None):
         super().__init__()
+        # UCX, MPICH's transport, takes SIGHUP as its signal to log at debug level (hundreds
+        # of lines at exit) unless told not to: SIGHUP is Caffe's snapshot request.
+        os.environ.setdefault("UCX_DEBUG_SIGNO", "0")
         from mpi4py import MPI
         self.MPI = MPI
         self.comm = comm if comm is not None else MPI.COMM_WORLD

@@ -129,7 +129,10 @@ class Job:
 
     # ---- running
     def run(self):
+        from caffepar import _signals
+        noted = _signals.take()     # signals that came while the launcher started
         previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
+        self.received += noted
         try:
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.DEVNULL,
                                          start_new_session=True,
