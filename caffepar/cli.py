@@ -147,9 +147,11 @@ def cli(ctx, debug):
 
 
 WATCHDOG_OPTION = click.option(
-    "--watchdog", default=1800, show_default=True, type=click.FloatRange(min=0),
+    "--watchdog", default=None, type=click.FloatRange(min=0),
     help="With several ranks: end the job, naming the ranks that did not come, when a rank "
-         "waits this many seconds in one collective (0: never).")
+         "waits this many seconds in one collective (0: never). Default: 20 times the longest "
+         "a rank computes between two collectives, at least 60 s (300 s in the first "
+         "iteration, which measures engines); a rank writing a snapshot is waited for.")
 ALLOW_MISSING_OPTION = click.option(
     "--allow-missing", is_flag=True,
     help="Keep the initial (filler) values of layers the weights file has nothing for, "

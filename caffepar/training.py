@@ -13,8 +13,9 @@ class SignalActions:
     """Caffe's --sigint_effect / --sighup_effect: a signal becomes a request the solver polls
     after each iteration. SIGTERM always means snapshot and stop."""
 
-    def __init__(self, sigint_effect="stop", sighup_effect="snapshot"):
+    def __init__(self, sigint_effect="stop", sighup_effect="snapshot", on_stop=None):
         self.effects = {signal.SIGINT: sigint_effect, signal.SIGTERM: "stop"}
+        self.on_stop = on_stop      # told at once (a parallel run's watchdog)
         if hasattr(signal, "SIGHUP"):
             self.effects[signal.SIGHUP] = sighup_effect
         self.pending = "none"
@@ -40,6 +41,8 @@ class SignalActions:
             return
         if self.pending != "stop":
             self.pending = effect
+        if effect == "stop" and self.on_stop is not None:
+            self.on_stop(f"asked to stop ({signal.Signals(signum).name})")
         LOGGER.info(f"Signal {signal.Signals(signum).name} received: {effect}")
 
     def __call__(self):
@@ -214,7 +217,9 @@ def _train(solver, param, snapshot, sigint_effect, sighup_effect, csv_file, rank
         bar.draw(info["iter"] + 1, f"loss {loss:.4g}" if loss is not None else "")
 
     solver.add_callback(on_iteration)
-    actions = SignalActions(sigint_effect, sighup_effect).install()
+    comm = getattr(solver, "comm", None)
+    actions = SignalActions(sigint_effect, sighup_effect,
+                            comm.note_stop if comm is not None else None).install()
     solver.action_request = actions
     solver.stop_on_nonfinite = on_nonfinite == "stop"
     LOGGER.info("Starting Optimization")

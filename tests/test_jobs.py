@@ -304,18 +304,66 @@ def test_killed_process_manager_ends_the_job(tmp_path, run):
     assert len(error_lines(job.output)) == 1, job.output
 
 
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_hung_rank_ends_within_the_watchdog_time(tmp_path, run):
-    job = run(workdir(tmp_path, {"rank": 1, "at": 25, "do": "hang"}), args=["--watchdog", 3])
+    """One line for the job naming the rank that did not come; the rank that waits for it
+    sleeps meanwhile (MPICH's own wait spins a core)."""
+    job = run(workdir(tmp_path, {"rank": 1, "at": 25, "do": "hang"}), args=["--watchdog", 5])
+    pids = job.rank_pids()
     job.wait_for("Iteration 20,")
     processes = job.processes()
     t0 = time.monotonic()
+    time.sleep(1.5)
+    used = cpu_seconds(pids[0][0])
+    time.sleep(2)
+    share = (cpu_seconds(pids[0][0]) - used) / 2
+    assert share < 0.2, f"the waiting rank used {share:.0%} of a core"
     assert job.finish(60) == 1
-    assert time.monotonic() - t0 < 3 + 30
+    assert time.monotonic() - t0 < 5 + 30
     assert all_ended(processes, 10) == []
     lines = error_lines(job.output)
     assert len(lines) == 1, job.output
-    assert re.match(r"\[rank 1\] caffepar: did not reach \w+ .*within the watchdog's 3 s",
-                    lines[0]), lines[0]
+    assert re.fullmatch(r"caffepar: rank 1 \(is at #\d+\) stopped before collective #\d+ "
+                        r"\(\w+ .*\); rank 0 waited [56] s there; ended the job", lines[0]), lines[0]
+
+
+def test_lost_launcher_ends_a_job_blocked_by_a_hung_rank(tmp_path, run):
+    """As a batch scheduler at its time limit: SIGTERM to the launcher, then SIGKILL, while
+    rank 1 hangs in a layer and rank 0 waits for it. No rank can stop at an iteration's end;
+    both end within seconds anyway, and so do mpiexec and its proxy."""
+    job = run(workdir(tmp_path, {"rank": 1, "at": 25, "do": "hang"}))
+    job.rank_pids()
+    job.wait_for("Iteration 20,")
+    time.sleep(2)                           # rank 1 hangs, rank 0 waits
+    processes = job.processes()
+    job.proc.send_signal(signal.SIGTERM)
+    time.sleep(4)
+    job.proc.kill()
+    assert all_ended(processes, 20) == [], job.output
+
+
+def test_watchdog_limit_adapts_to_the_job():
+    """Without --watchdog: FIRST seconds in the first iteration, then FACTOR times the longest
+    computation between two collectives, never below FLOOR."""
+    from types import SimpleNamespace
+    from caffepar.parallel.comm import Watchdog
+    dog = Watchdog.__new__(Watchdog)
+    dog.timeout, dog.comm = None, SimpleNamespace(warm=False, longest_gap=0.0)
+    assert dog.limit() == Watchdog.FIRST >= 120
+    dog.comm.warm = True
+    dog.comm.longest_gap = 0.05                 # cifar10_quick: ends within 2 minutes
+    assert dog.limit() == Watchdog.FLOOR < 120 - 2 * Watchdog.GRACE
+    dog.comm.longest_gap = 10.0
+    assert dog.limit() == 10.0 * Watchdog.FACTOR
+    dog.timeout = 0
+    assert dog.limit() is None
+    dog.timeout = 30
+    assert dog.limit() == 30
 
 
 def test_watchdog_leaves_a_slow_rank_alone(tmp_path, run):

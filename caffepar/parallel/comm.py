@@ -8,8 +8,10 @@ Non-blocking collectives (`i...`) return a request with `test()` and `wait()`; t
 timed here, their caller knows when it started and when it saw them complete. A timeline set
 on a communicator (`comm.timeline`) records every blocking collective.
 """
+import contextlib
 import os
 import signal
+import socket
 import time
 from collections import defaultdict
 
@@ -53,6 +55,23 @@ class Done:
         pass
 
 
+#: A waiting rank tests its request in a tight loop this long, then between naps of NAP_SHARE
+#: of the time waited so far, at most NAP seconds (a wait's end is seen that much later).
+SPIN, NAP_SHARE, NAP = 1e-3, 0.05, 5e-3
+
+
+def complete(request):
+    """Wait for an MPI request without spinning: MPICH's own waits poll at full speed, a whole
+    core for each rank that waits on a slow or hung one."""
+    if request.Test():
+        return
+    t0 = time.monotonic()
+    while not request.Test():
+        waited = time.monotonic() - t0
+        if waited > SPIN:
+            time.sleep(min(NAP, NAP_SHARE * waited))
+
+
 class _Request:
     def __init__(self, request):
         self.request = request
@@ -61,7 +80,7 @@ class _Request:
         return self.request.Test()
 
     def wait(self):
-        self.request.Wait()
+        complete(self.request)
 
 
 def _displacements(counts):
@@ -80,6 +99,12 @@ class Comm:
         self.calls = 0
         self.waiting = None
         self.watchdog = None
+        self.busy_with = None       # a long step this rank takes alone (a snapshot)
+        self.warm = False           # past the first iteration (engine measurement, first test)
+        self.longest_gap = 0.0      # longest time between two collectives since warm
+        self.stop_since = None      # when this rank was asked to stop (SIGTERM, SIGINT)
+        self.stop_reason = ""
+        self._left = None
 
     def _timed(self, tag, op, nbytes, fn):
         t0 = time.perf_counter()
@@ -91,15 +116,35 @@ class Comm:
         return result
 
     def _watched(self, tag, op, fn):
-        """Run one collective, noting for the watchdog which one this rank waits in."""
+        """Run one collective, noting for the watchdog which one this rank waits in and how
+        long it computes between collectives."""
+        now = time.monotonic()
+        if self.warm and self._left is not None:
+            self.longest_gap = max(self.longest_gap, now - self._left)
         self.calls += 1
-        self.waiting = (self.calls, op, tag, time.monotonic())
+        self.waiting = (self.calls, op, tag, now)
         try:
             return fn()
         finally:
             self.waiting = None
+            self._left = time.monotonic()
 
-    def start_watchdog(self, timeout):
+    @contextlib.contextmanager
+    def busy(self, what):
+        """A step this rank takes alone while the others wait (its watchdog tells them)."""
+        self.busy_with = what
+        try:
+            yield
+        finally:
+            self.busy_with = None
+            self._left = time.monotonic()
+
+    def note_stop(self, reason="asked to stop"):
+        if self.stop_since is None:
+            self.stop_since = time.monotonic()
+            self.stop_reason = reason
+
+    def start_watchdog(self, timeout=None):
         """See Watchdog; nothing to watch with one rank."""
 
     def stop_watchdog(self):
@@ -201,14 +246,14 @@ class MpiComm(Comm):
         if self.size == 1 or buf.size == 0:
             return buf
         self._timed(tag, "allreduce", buf.nbytes,
-                    lambda: self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM))
+                    lambda: complete(self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)))
         return buf
 
     def allgather(self, send, recv, tag=""):
         if self.size == 1:
             recv[...] = send.reshape(recv.shape)
             return recv
-        self._timed(tag, "allgather", recv.nbytes, lambda: self.comm.Allgather(send, recv))
+        self._timed(tag, "allgather", recv.nbytes, lambda: complete(self.comm.Iallgather(send, recv)))
         return recv
 
     def alltoallv(self, send, send_counts, recv, recv_counts, tag=""):
@@ -218,9 +263,9 @@ class MpiComm(Comm):
         send_displ = _displacements(send_counts)
         recv_displ = _displacements(recv_counts)
         mpi_type = self.MPI._typedict[send.dtype.char]
-        self._timed(tag, "alltoall", send.nbytes, lambda: self.comm.Alltoallv(
+        self._timed(tag, "alltoall", send.nbytes, lambda: complete(self.comm.Ialltoallv(
             [send, (list(send_counts), list(send_displ)), mpi_type],
-            [recv, (list(recv_counts), list(recv_displ)), mpi_type]))
+            [recv, (list(recv_counts), list(recv_displ)), mpi_type])))
         return recv
 
     def reduce_scatter_block(self, send, recv, tag=""):
@@ -228,26 +273,29 @@ class MpiComm(Comm):
             recv[...] = send.reshape(recv.shape)
             return recv
         self._timed(tag, "reduce_scatter", send.nbytes,
-                    lambda: self.comm.Reduce_scatter_block(send, recv, op=self.MPI.SUM))
+                    lambda: complete(self.comm.Ireduce_scatter_block(send, recv,
+                                                                       op=self.MPI.SUM)))
         return recv
 
     def bcast(self, buf, root=0, tag=""):
         if self.size == 1:
             return buf
-        self._timed(tag, "bcast", buf.nbytes, lambda: self.comm.Bcast(buf, root=root))
+        self._timed(tag, "bcast", buf.nbytes, lambda: complete(self.comm.Ibcast(buf, root=root)))
         return buf
 
     def bcast_object(self, obj, root=0):
         if self.size == 1:
             return obj
-        return self._watched("", "bcast", lambda: self.comm.bcast(obj, root=root))
+        return self._watched("", "bcast", lambda: self._arrived(
+            lambda: self.comm.bcast(obj, root=root)))
 
     def allreduce_scalar(self, value, op="sum"):
         """`value` summed (or, op="max", the largest) over the ranks."""
         if self.size == 1:
             return value
         mpi_op = {"sum": self.MPI.SUM, "max": self.MPI.MAX}[op]
-        return self._watched("", "allreduce", lambda: self.comm.allreduce(value, op=mpi_op))
+        return self._watched("", "allreduce", lambda: self._arrived(
+            lambda: self.comm.allreduce(value, op=mpi_op)))
 
     def gatherv(self, send, recv, counts, root=0, tag=""):
         if self.size == 1:
@@ -257,11 +305,18 @@ class MpiComm(Comm):
         displ = _displacements(counts)
         mpi_type = self.MPI._typedict[send.dtype.char]
         target = [recv, (list(counts), list(displ)), mpi_type] if self.rank == root else None
-        self._timed(tag, "gather", send.nbytes, lambda: self.comm.Gatherv(send, target, root=root))
+        self._timed(tag, "gather", send.nbytes, lambda: complete(self.comm.Igatherv(send, target,
+                                                                        root=root)))
         return recv
 
     def barrier(self):
-        self._watched("", "barrier", self.comm.Barrier)
+        self._watched("", "barrier", lambda: complete(self.comm.Ibarrier()))
+
+    def _arrived(self, fn):
+        """fn(), an object collective, once every rank has come (waited for without
+        spinning): it then completes at once."""
+        complete(self.comm.Ibarrier())
+        return fn()
 
     def abort(self, code=1):
         self.comm.Abort(code)
@@ -322,37 +377,50 @@ class MpiComm(Comm):
     def gather_object(self, obj, root=0):
         return [obj] if self.size == 1 else self.comm.gather(obj, root=root)
 
-    def start_watchdog(self, timeout):
+    def start_watchdog(self, timeout=None):
         if self.size > 1 and self.watchdog is None:
             self.watchdog = Watchdog(self, timeout)
             self.watchdog.start()
 
 
 class Watchdog:
-    """A thread per rank that ends the job when something has gone wrong outside this rank.
+    """A thread per rank that ends the job when it cannot end by itself.
 
-    - This rank has waited `timeout` seconds in one collective (0: never): it asks every rank
-      (point to point, on a communicator of its own) how far it has got, and ends the job naming
-      the ranks that have not reached that collective or do not answer.
-    - This rank's parent (the process manager's proxy) has died: the job cannot end normally.
-    - caffepar's launcher has died (where the kernel cannot tell mpiexec): snapshot and stop,
-      as SIGTERM.
+    - This rank has waited too long in one collective: it asks every rank (point to point, on a
+      communicator of its own) how far it has got, and the lowest rank that waits there ends the
+      job in one line naming the ranks that did not come (and their hosts, when the job spans
+      several). Too long is `timeout` seconds when given (0: never), else FACTOR times the
+      longest this rank has computed between two collectives since the first iteration, at
+      least FLOOR seconds; during the first iteration (engines measured, a first test) FIRST
+      seconds. A late rank that says it is writing a snapshot is waited for (up to BUSY_MAX).
+    - This rank's parent (the process manager's proxy) or caffepar's launcher has died: the job
+      cannot end normally; the rank is asked to stop (a snapshot, as SIGTERM).
+    - This rank was asked to stop but is still running GRACE seconds later (or 3 times its
+      longest computation between collectives), not writing a snapshot: blocked in a collective
+      or a hung layer. It ends at once, naming the rank the job waits for.
     The training thread only notes which collective it is in; the watchdog looks once a second.
     """
 
     INTERVAL = 1.0
+    FLOOR, FIRST, FACTOR = 60.0, 300.0, 20.0
+    GRACE = 10.0
+    BUSY_MAX = 3600.0
     QUERY, ANSWER = 7301, 7302
 
-    def __init__(self, comm, timeout):
+    def __init__(self, comm, timeout=None):
         import threading
         from caffepar.parallel.launch import LAUNCHER_VAR
-        self.comm, self.timeout = comm, float(timeout)
+        self.comm = comm
+        self.timeout = None if timeout is None else float(timeout)
         self.MPI = comm.MPI
         self.side = comm.comm.Dup()
+        self.hosts = self.side.allgather(socket.gethostname())
         self.can_ask = self.MPI.Query_thread() == self.MPI.THREAD_MULTIPLE
         self.parent = os.getppid()
         launcher = os.environ.get(LAUNCHER_VAR)
         self.launcher = int(launcher) if launcher and launcher.isdigit() else None
+        self.orphaned = False
+        self.patience = (None, 0.0)     # (collective number, when a busy rank was last seen)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="caffepar-watchdog", daemon=True)
 
@@ -366,72 +434,138 @@ class Watchdog:
         if self.thread.is_alive():
             self.thread.join()
 
+    def limit(self):
+        """Seconds a rank may wait in one collective (None: for ever)."""
+        if self.timeout is not None:
+            return self.timeout or None
+        if not self.comm.warm:
+            return self.FIRST
+        return max(self.FLOOR, self.FACTOR * self.comm.longest_gap)
+
     def _run(self):
-        from caffepar.parallel.launch import process_alive
         query = np.zeros(1, np.int64)
         request = self.side.Irecv(query, source=self.MPI.ANY_SOURCE, tag=self.QUERY) \
             if self.can_ask else None
         while not self.stopping.wait(self.INTERVAL):
             request = self._answer(request, query)
-            if os.getppid() != self.parent:
-                self._end_job(f"[rank {self.comm.rank}] caffepar: lost its process manager "
-                              f"(parent process {self.parent} ended)")
-            if self.launcher is not None and not process_alive(self.launcher):
-                self.launcher = None
-                os.kill(os.getpid(), signal.SIGTERM)
-            waiting = self.comm.waiting
-            if self.timeout and waiting and time.monotonic() - waiting[3] > self.timeout:
-                self._expired(waiting, request, query)
+            self._check_parents()
+            request = self._check_stop(request, query)
+            waiting, limit = self.comm.waiting, self.limit()
+            if limit and waiting and self._waited(waiting) > limit:
+                request = self._expired(waiting, request, query, limit)
         if request is not None:
             request.Cancel()
             request.Wait()
 
+    def _waited(self, waiting):
+        number, since = waiting[0], waiting[3]
+        if self.patience[0] == number:
+            since = max(since, self.patience[1])
+        return time.monotonic() - since
+
+    def _check_parents(self):
+        from caffepar.parallel.launch import process_alive
+        if self.orphaned:
+            return
+        if os.getppid() != self.parent:
+            why = f"lost its process manager (parent process {self.parent} ended)"
+        elif self.launcher is not None and not process_alive(self.launcher):
+            why = "lost caffepar's launcher (it ended)"
+        else:
+            return
+        self.orphaned = why
+        self.comm.note_stop(why)
+        os.kill(os.getpid(), signal.SIGTERM)        # snapshot and stop, if it can
+
+    def _check_stop(self, request, query):
+        """Asked to stop GRACE seconds ago and still running: end now."""
+        comm = self.comm
+        if comm.stop_since is None or comm.busy_with:
+            return request
+        grace = max(self.GRACE, 3 * comm.longest_gap)
+        if time.monotonic() - comm.stop_since < grace:
+            return request
+        waiting = comm.waiting
+        if waiting:
+            return self._expired(waiting, request, query, None, stopping=True)
+        self._end_job(f"[rank {comm.rank}] caffepar: {comm.stop_reason}, but still computing "
+                      f"{grace:g} s later (a hung layer?); ended the job")
+        return request
+
     def _answer(self, request, query):
-        """Tell a rank that asks: how many collectives this rank has entered, and whether it
-        waits in the last one."""
+        """Tell a rank that asks: how many collectives this rank has entered, whether it waits
+        in the last one, and whether it is writing a snapshot."""
         status = self.MPI.Status()
         while request is not None and request.Test(status):
-            waiting = self.comm.waiting
-            self.side.Isend(np.array([self.comm.calls, waiting is not None], np.int64),
-                            dest=status.Get_source(), tag=self.ANSWER).Wait()
+            comm = self.comm
+            reply = [comm.calls, comm.waiting is not None, comm.busy_with is not None]
+            self.side.Isend(np.array(reply, np.int64), dest=status.Get_source(),
+                            tag=self.ANSWER).Wait()
             request = self.side.Irecv(query, source=self.MPI.ANY_SOURCE, tag=self.QUERY)
         return request
 
-    def _expired(self, waiting, request, query):
-        number, op, tag, _since = waiting
-        what = f"{op} {tag!r} (collective #{number})" if tag else f"{op} (collective #{number})"
+    def _ask(self, number, request, query):
+        """{rank: (collectives entered, waits, busy)} of the ranks that answer within 5 s."""
         others = [r for r in range(self.comm.size) if r != self.comm.rank]
         answers = {}
-        if self.can_ask:
-            replies = {r: np.zeros(2, np.int64) for r in others}
-            pending = {r: self.side.Irecv(replies[r], source=r, tag=self.ANSWER) for r in others}
-            for r in others:
-                self.side.Isend(np.array([number], np.int64), dest=r, tag=self.QUERY).Wait()
-            deadline = time.monotonic() + max(5.0, 3 * self.INTERVAL)
-            while pending and time.monotonic() < deadline:
-                request = self._answer(request, query)
-                for r in [r for r, req in pending.items() if req.Test()]:
-                    answers[r] = replies[r]
-                    del pending[r]
-                time.sleep(0.05)
+        if not self.can_ask:
+            return answers, request
+        replies = {r: np.zeros(3, np.int64) for r in others}
+        pending = {r: self.side.Irecv(replies[r], source=r, tag=self.ANSWER) for r in others}
+        for r in others:
+            self.side.Isend(np.array([number], np.int64), dest=r, tag=self.QUERY).Wait()
+        deadline = time.monotonic() + max(5.0, 3 * self.INTERVAL)
+        while pending and time.monotonic() < deadline:
+            request = self._answer(request, query)
+            for r in [r for r, req in pending.items() if req.Test()]:
+                answers[r] = tuple(int(v) for v in replies[r])
+                del pending[r]
+            time.sleep(0.05)
+        for req in pending.values():
+            req.Cancel()
+        return answers, request
+
+    def _expired(self, waiting, request, query, limit, stopping=False):
+        """This rank has waited `limit` s in `waiting` (or was asked to stop while waiting):
+        end the job naming the ranks that did not come, unless a late one is writing a
+        snapshot, or a lower rank that waits there too will say it."""
+        number, op, tag, since = waiting
+        comm = self.comm
+        answers, request = self._ask(number, request, query)
+        waited = time.monotonic() - since
+        others = [r for r in range(comm.size) if r != comm.rank]
         late = sorted(r for r in others if r not in answers or answers[r][0] < number)
+        waiters = sorted([comm.rank] + [r for r, a in answers.items()
+                                        if a[0] == number and a[1]])
+        if not stopping and waited < self.BUSY_MAX and any(answers.get(r, (0, 0, 0))[2]
+                                                           for r in late):
+            self.patience = (number, time.monotonic())      # a snapshot: wait on
+            return request
+        if waiters[0] != comm.rank and waited < 2 * (limit or self.GRACE):
+            return request                                  # the lower rank says it
+        what = f"collective #{number} ({op} {tag!r})" if tag else f"collective #{number} ({op})"
+        several_hosts = len(set(self.hosts)) > 1
+        who = []
+        for r in late:
+            host = f" on {self.hosts[r]}" if several_hosts else ""
+            state = "does not answer" if r not in answers else \
+                f"is at #{answers[r][0]}" + (" waiting" if answers[r][1] else "")
+            who.append(f"rank {r}{host} ({state})")
+        waited_by = f"rank {waiters[0]}" if len(waiters) == 1 else \
+            f"ranks {', '.join(map(str, waiters))}"
+        reason = f" after {comm.stop_reason}" if stopping else ""
         if late:
-            detail = "; ".join(
-                f"rank {r} " + (f"is at collective #{answers[r][0]}" if r in answers
-                                else "does not answer") for r in late)
-            label = f"[rank {late[0]}]" if len(late) == 1 else \
-                f"[ranks {', '.join(map(str, late))}]"
-            line = (f"{label} caffepar: did not reach {what} within the watchdog's "
-                    f"{self.timeout:g} s ({detail}); ended the job")
+            line = (f"caffepar: {'; '.join(who)} stopped before {what}; {waited_by} waited "
+                    f"{waited:.0f} s there{reason}; ended the job")
         else:
-            line = (f"[rank {self.comm.rank}] caffepar: waited {self.timeout:g} s in {what}; "
-                    "every rank is in a collective (the ranks do not call the same ones); "
-                    "ended the job")
+            line = (f"caffepar: {waited_by} waited {waited:.0f} s in {what}{reason}, every rank "
+                    "in a collective (the ranks do not call the same ones); ended the job")
         self._end_job(line)
+        return request
 
     def _end_job(self, line):
         from caffepar.parallel.launch import abort_all
-        abort_all(self.comm, line)
+        abort_all(self.comm, line, hard=bool(self.orphaned))
 
 
 _LAUNCH_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",

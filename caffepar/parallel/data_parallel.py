@@ -134,6 +134,10 @@ class ParallelSolverMixin:
         owners = [net.param_layer_index[n] for n, o in enumerate(net.param_owner) if o < 0]
         return [(net.layers[i], k) for i, k in owners]
 
+    def snapshot(self):
+        with self.comm.busy("snapshot"):       # the ranks that wait are told, and wait on
+            return super().snapshot()
+
     STOP = 1 << 30
 
     def requested_action(self):
@@ -168,6 +172,7 @@ class ParallelSolverMixin:
     def on_gradients_ready(self):
         net, comm = self.net, self.comm
         self._passes = 0
+        comm.warm = True        # engines measured: the watchdog's limit follows the job now
         if comm.size > 1:
             self.sync.finish()
             if self._row is not None:

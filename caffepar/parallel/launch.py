@@ -356,8 +356,12 @@ def register_rank(comm):
 
 
 def finish_rank(comm):
-    """This rank ended normally."""
+    """This rank ended normally (stopped early when its process manager or launcher died: the
+    job did not end as it should, which its status says)."""
+    lost = comm.watchdog.orphaned if comm.watchdog is not None else None
     comm.stop_watchdog()
+    if lost:
+        abort_all(comm, f"[rank {comm.rank}] caffepar: {lost}; stopped", hard=True)
     path = _job_file(comm, "end")
     if path:
         try:
@@ -366,7 +370,7 @@ def finish_rank(comm):
             pass
 
 
-def abort_all(comm, line, code=1):
+def abort_all(comm, line, code=1, hard=False):
     """End every rank of the job, with `line` (`[rank r] ...`) as the reason, reported once.
 
     Under caffepar's launcher the line goes to the job folder and the rank just exits: hydra
@@ -388,7 +392,7 @@ def abort_all(comm, line, code=1):
         sys.stdout.flush()
     except (OSError, ValueError):
         pass
-    if not written:
+    if not written and not hard:       # hard: no process manager left to abort through
         _silence_output()
         comm.abort(code)
     os._exit(code)
