@@ -196,8 +196,8 @@ def test_nonfinite_loss_stops_naming_the_layer_or_trains_on(tmp_path, monkeypatc
     assert code == 1
     assert err.strip().splitlines()[-1] == (
         'caffepar: error: iteration 0: the loss is nan; the first layer with a non-finite '
-        'output is "log" (top "lh"). Stopped before the update, so the last snapshot holds '
-        'finite weights (lower base_lr, or --on-nonfinite continue to train on as Caffe does)')
+        'output is "log" (top "lh"). Stopped before the update (this run wrote no snapshot '
+        'yet; lower base_lr, or --on-nonfinite continue to train on as Caffe does)')
     assert not list(tmp_path.glob("snap_iter_*"))
     code, _out, err = run(["train", "--solver", "solver.prototxt", "--on-nonfinite",
                            "continue"], capsys)
@@ -241,3 +241,18 @@ def test_signal_while_starting_is_one_line(sig, code, line):
             assert (proc.returncode, err.strip()) == (code, line)
             stopped += 1
     assert stopped, "every signal came after the command had finished"
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_debug_info_of_diverging_values_prints_inf_without_numpy_warnings(tmp_path, monkeypatch,
+                                                                         capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "net.prototxt").write_text(NAN_NET.replace('type: "Log" ', 'type: "ReLU" ')
+                                           .replace("std: 1 }", "std: 1e19 }"))
+    (tmp_path / "solver.prototxt").write_text(
+        'net: "net.prototxt"\nbase_lr: 0.01\nlr_policy: "fixed"\nmax_iter: 1\ndisplay: 1\n'
+        'debug_info: true\n')
+    code, _out, err = run(["train", "--solver", "solver.prototxt", "--on-nonfinite",
+                           "continue"], capsys)
+    assert code == 0, err
+    assert "L2 norm = (inf" in err

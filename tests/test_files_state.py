@@ -272,3 +272,12 @@ def test_hdf5_write_errors_are_one_line_naming_the_file(tmp_path, monkeypatch):
     with pytest.raises(OSError) as info:
         weights_io.atomic_write(tmp_path / "m.caffemodel.h5", odd, binary=False)
     assert str(info.value.strerror) == "Unable to create dataset (name already exists)"
+
+    def full(tmp):      # h5py's error on a full disk: HDF5's text, whose time stamp ends a line
+        raise OSError(errno.ENOSPC, "Can't synchronously write data (file write failed: time = Wed Nov "
+                           "25 21:10:24 2026\n, filename = 'x', file descriptor = 4, errno = "
+                           "28, error message = 'No space left on device', buf = 0x5582)")
+
+    with pytest.raises(OSError) as info:
+        weights_io.atomic_write(tmp_path / "m.caffemodel.h5", full, binary=False)
+    assert info.value.errno == errno.ENOSPC and info.value.strerror == os.strerror(errno.ENOSPC)

@@ -424,3 +424,48 @@ def test_signal_while_starting_is_honoured(tmp_path, run, ranks, sig, after):
     assert "Optimization stopped early." in job.output
     assert "Traceback" not in job.output and "UCX" not in job.output, job.output[-3000:]
     assert error_lines(job.output) == []
+
+
+def test_stale_job_folders_are_removed(tmp_path):
+    """A launcher killed by SIGKILL leaves its job folder; the next launch removes it (and
+    not the folder of a launcher still running)."""
+    from caffepar.parallel import launch
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    stale = tmp_path / f"caffepar-job-{gone}-abc"
+    live = tmp_path / f"caffepar-job-{os.getpid()}-def"
+    old = tmp_path / "caffepar-job-x1y2z3"                  # named without a pid
+    for folder in (stale, live, old):
+        folder.mkdir()
+        (folder / "rank0.pid").write_text(f"{gone} host\n")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    launch.remove_stale_job_folders(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
+
+
+@pytest.mark.parametrize("fault", ["memory", "hang", "kill"])
+def test_plain_mpiexec_status_tells_the_failure(tmp_path, fault):
+    """Under a plain `mpiexec -n 2 caffepar train` (a cluster's launch) a job that ends badly
+    exits non-zero, with one line naming the rank (the process manager's own banner for a
+    killed rank)."""
+    folder = workdir(tmp_path, None if fault == "kill" else {"rank": 1, "at": 12, "do": fault})
+    path = os.pathsep.join(filter(None, [str(HERE / "mpi"), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([find_mpiexec(), "-n", "2", sys.executable, "-m", "caffepar.cli",
+                             "train", "--solver", "solver.prototxt", "--watchdog", "2"],
+                            cwd=folder, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        if fault == "kill":
+            pid = wait_until(lambda: (folder / "pids/rank1.pid").exists(), 60)
+            assert pid
+            time.sleep(1)
+            os.kill(int((folder / "pids/rank1.pid").read_text().split()[0]), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0, out[-2000:]
+    if fault != "kill":
+        lines = error_lines(out)
+        assert len(lines) == 1 and "rank 1" in lines[0], out[-2000:]

@@ -443,10 +443,10 @@ _UMASK_LOCK = threading.Lock()
 def _write_error(error, path):
     """An error raised while writing `path`, as an OSError naming `path` (write errors carry
     no file name; HDF5's carry an errno inside their text)."""
-    if isinstance(error, OSError) and error.errno:
-        return OSError(error.errno, error.strerror or str(error), path)
+    if isinstance(error, OSError) and error.errno:     # h5py's strerror is HDF5's whole text
+        return OSError(error.errno, os.strerror(error.errno), path)
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    found = re.search(r"errno = (\d+)", text)
+    found = re.search(r"errno = (\d+)", str(error))      # after a line break in HDF5's text
     if found:
         number = int(found.group(1))
         return OSError(number, os.strerror(number), path)

@@ -79,6 +79,46 @@ def transport_environment(name):
     return dict(TRANSPORTS[name])
 
 
+#: A job folder's name: the prefix, the launcher's pid, a dash and a random part.
+JOB_PREFIX = "caffepar-job-"
+
+
+def remove_stale_job_folders(where=None):
+    """Job folders whose launcher is gone (killed by SIGKILL, it could not remove its own);
+    a folder named without a pid goes when none of the ranks it lists runs and it is an hour
+    old."""
+    where = where or tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(where) if n.startswith(JOB_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(where, name)
+        found = re.fullmatch(re.escape(JOB_PREFIX) + r"(\d+)-.*", name)
+        try:
+            if found:
+                stale = not process_alive(int(found.group(1)))
+            else:
+                stale = time.time() - os.path.getmtime(path) > 3600 and not any(
+                    process_alive(pid) for pid in _listed_pids(path))
+        except OSError:
+            continue
+        if stale and os.stat(path).st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _listed_pids(folder):
+    pids = []
+    for name in os.listdir(folder):
+        if re.fullmatch(r"rank\d+\.pid", name):
+            try:
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    pids.append(int(f.read().split()[0]))
+            except (OSError, ValueError, IndexError):
+                pass
+    return pids
+
+
 def relaunch(ranks, argv, threads=None, mpiexec=None, transport=None):
     """Run `caffepar <argv>` under mpiexec with `ranks` processes; return the exit status
     a one-process run would have had. `transport` (default $CAFFEPAR_TRANSPORT, else shm) as
@@ -95,7 +135,8 @@ def relaunch(ranks, argv, threads=None, mpiexec=None, transport=None):
             env[var] = n
     env["CAFFEPAR_MPI"] = "1"
     env.update(transport_environment(transport or os.environ.get("CAFFEPAR_TRANSPORT", "shm")))
-    folder = tempfile.mkdtemp(prefix="caffepar-job-")
+    remove_stale_job_folders()
+    folder = tempfile.mkdtemp(prefix=f"{JOB_PREFIX}{os.getpid()}-")
     env[JOB_DIR_VAR] = folder
     env[LAUNCHER_VAR] = str(os.getpid())
     cmd = [exe, "-n", str(ranks), sys.executable, "-m", "caffepar.cli"] + list(argv)

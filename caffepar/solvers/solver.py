@@ -341,6 +341,14 @@ class Solver:
             loss = net.forward_from_to()
             net.backward_from_to()
             return loss
+        # Statistics of diverging values overflow float32 to inf, which is what they print.
+        with np.errstate(over="ignore", invalid="ignore"):
+            return self._forward_backward_logged()
+
+    def _forward_backward_logged(self):
+        """debug_info: each layer's forward and backward, with the mean magnitude of its tops,
+        bottom diffs and parameters, as Caffe logs them."""
+        net = self.net
         loss = 0.0
         for i, layer in enumerate(net.layers):
             loss += net.forward_from_to(i, i)
@@ -625,9 +633,11 @@ class Solver:
                       if not np.isfinite(net.blob_list[t].data).all()), None)
         where = (f'the first layer with a non-finite output is "{first[0]}" (top "{first[1]}")'
                  if first else "every layer's output is finite")
+        kept = ("the last snapshot holds finite weights" if self.last_snapshot_iter is not None
+                 else "this run wrote no snapshot yet")
         return (f"iteration {self.iter}: the loss is {loss}; {where}. Stopped before the "
-                "update, so the last snapshot holds finite weights (lower base_lr, or "
-                "--on-nonfinite continue to train on as Caffe does)")
+                f"update ({kept}; lower base_lr, or --on-nonfinite continue to train on as "
+                "Caffe does)")
 
     def snapshot(self):
         """Caffe's Snapshot: the weights, then the solver state; both written atomically.
