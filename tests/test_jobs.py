@@ -469,3 +469,18 @@ def test_plain_mpiexec_status_tells_the_failure(tmp_path, fault):
     if fault != "kill":
         lines = error_lines(out)
         assert len(lines) == 1 and "rank 1" in lines[0], out[-2000:]
+
+
+def test_rank_that_vanished_first_is_blamed_not_the_one_whose_mpi_failed(tmp_path, capsys):
+    """kill -9 of rank 1: rank 0's MPI then fails too and reports it; the job's line names
+    rank 1, which ended first without a word."""
+    from caffepar.parallel.launch import Job
+    job = Job(["mpiexec"], {}, str(tmp_path), 2)
+    (tmp_path / "rank0.end").write_text("1\n[rank 0] caffepar: error: Exception: Other MPI error, "
+                                        "error stack: ...\n")
+    job.proc = subprocess.Popen(["true"])
+    job.proc.wait()
+    job.gone = [1, 0]
+    assert job._report() == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("[rank 1] caffepar: ended before the job finished")

@@ -252,6 +252,12 @@ class Job:
     def _end_leftovers(self):
         """Ranks still running once mpiexec has ended (a process manager killed under them):
         a moment to end on their own, then SIGKILL."""
+        if self.poller is not None:         # ranks that ended as mpiexec did: noted first
+            for fd, _event in self.poller.poll(0):
+                rank = self.pidfds.pop(fd, None)
+                os.close(fd)
+                if rank is not None:
+                    self.gone.append(rank)
         for fd in list(self.pidfds):
             os.close(fd)
         self.pidfds.clear()
@@ -281,6 +287,9 @@ class Job:
         status = self.proc.returncode
         ends = self._ends()
         failed = [(r, code, line) for r, (code, line) in sorted(ends.items()) if code]
+        first = self.gone[0] if self.gone else None
+        if failed and first is not None and first not in ends:
+            failed = []     # the others' errors follow from the rank that vanished first
         if failed:
             _say(merge_rank_lines([line for _r, _c, line in failed]))
             return failed[0][1]
