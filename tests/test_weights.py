@@ -82,3 +82,34 @@ def test_vgg16_sized_caffemodel_loads_in_seconds(tmp_path):
     seconds = time.perf_counter() - t0
     assert np.array_equal(net.params["fc6"][0].data, fc6)
     assert seconds < 30, f"loading {size / 1e6:.0f} MB took {seconds:.1f} s"
+
+
+TWO_WAYS_NET = """
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 2 dim: 5 dim: 5 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "c"
+        convolution_param { num_output: NUM kernel_size: 3 } }
+layer { name: "FC" type: "InnerProduct" bottom: "c" top: "y" inner_product_param { num_output: 2 } }
+"""
+
+
+def test_weights_wrong_two_ways_are_reported_together(tmp_path):
+    """conv1 of the wrong shape and fc1 missing: one message naming both, the shape first
+    (--allow-missing cannot fix it); with --allow-missing, still the shape."""
+    import caffepar as caffe
+    from caffepar.errors import WeightsError
+    from caffepar.io.weights import copy_weights_files
+    theirs = tmp_path / "theirs.prototxt"
+    theirs.write_text(TWO_WAYS_NET.replace("NUM", "5").replace("FC", "fc_other"))
+    caffe.Net(str(theirs), caffe.TEST).save(str(tmp_path / "w.caffemodel"))
+    ours = tmp_path / "ours.prototxt"
+    ours.write_text(TWO_WAYS_NET.replace("NUM", "4").replace("FC", "fc1"))
+    net = caffe.Net(str(ours), caffe.TEST)
+    with pytest.raises(WeightsError) as info:
+        copy_weights_files(net, [str(tmp_path / "w.caffemodel")], allow_missing=False)
+    text = str(info.value)
+    assert "\n" not in text
+    shape = text.index('layer "conv1" param 0: shape mismatch, the caffemodel has 5 2 3 3')
+    assert shape < text.index("no weights for layer(s) fc1")
+    with pytest.raises(WeightsError, match='layer "conv1" param 0: shape mismatch') as info:
+        copy_weights_files(net, [str(tmp_path / "w.caffemodel")], allow_missing=True)
+    assert "fc1" not in str(info.value)

@@ -277,29 +277,49 @@ def _shape_str(shape):
     return " ".join(str(d) for d in shape) + f" ({int(np.prod(shape))})"
 
 
-def copy_weights_into(net, path, strict_names=False):
-    """Caffe's CopyTrainedLayersFrom: copy blobs by layer name; layers absent from the net are
-    ignored; a present layer must match in blob count and every shape."""
-    model = read_caffemodel(path) if not isinstance(path, CaffeModel) else path
-    copied = []
+RENAME_HINT = "rename the layer to learn it from scratch instead of copying it"
+MISSING_HINT = "pass --allow-missing to keep their initial (filler) values, as when " \
+    "fine-tuning new layers"
+
+
+def _mismatches(net, model):
+    """What of `model` does not fit the net: [(layer name, message)] for wrong blob counts and
+    shapes (layers absent from the net are ignored, as Caffe does)."""
+    found = []
     for name, _type, blobs in model.layers:
         layer = net.layer_dict.get(name)
         if layer is None:
             continue
         if len(blobs) != len(layer.blobs):
-            raise WeightsError(f'layer "{name}": the caffemodel has {len(blobs)} blob(s), the '
-                               f"net expects {len(layer.blobs)}", path=model.path)
+            found.append(f'layer "{name}": the caffemodel has {len(blobs)} blob(s), the net '
+                         f"expects {len(layer.blobs)}")
+            continue
         for j, ((values, shape, legacy), target) in enumerate(zip(blobs, layer.blobs)):
             full = layer.full_shape(j) if hasattr(layer, "full_shape") else target.shape
             ok = tuple(shape) == full
             if not ok and legacy is not None and len(full) <= 4:
                 ok = legacy == (1,) * (4 - len(full)) + full
             if not ok or values.size != int(np.prod(full)):
-                raise WeightsError(
-                    f'layer "{name}" param {j}: shape mismatch, the caffemodel has '
-                    f"{_shape_str(shape)}, the net expects {_shape_str(full)}",
-                    path=model.path,
-                    hint="rename the layer to learn it from scratch instead of copying it")
+                found.append(f'layer "{name}" param {j}: shape mismatch, the caffemodel has '
+                             f"{_shape_str(shape)}, the net expects {_shape_str(full)}")
+    return found
+
+
+def copy_weights_into(net, path, strict_names=False):
+    """Caffe's CopyTrainedLayersFrom: copy blobs by layer name; layers absent from the net are
+    ignored; a present layer must match in blob count and every shape (every mismatch is
+    named at once)."""
+    model = read_caffemodel(path) if not isinstance(path, CaffeModel) else path
+    problems = _mismatches(net, model)
+    if problems:
+        raise WeightsError("; ".join(problems), path=model.path, hint=RENAME_HINT)
+    copied = []
+    for name, _type, blobs in model.layers:
+        layer = net.layer_dict.get(name)
+        if layer is None:
+            continue
+        for j, ((values, _shape, _legacy), target) in enumerate(zip(blobs, layer.blobs)):
+            full = layer.full_shape(j) if hasattr(layer, "full_shape") else target.shape
             values = values.reshape(full)
             if hasattr(layer, "local_part"):
                 values = layer.local_part(j, values)
@@ -320,15 +340,16 @@ def layers_without_weights(net, models):
 def copy_weights_files(net, paths, allow_missing=True):
     """Caffe's `--weights a.caffemodel,b.caffemodel`: each file copied by layer name, in turn.
     Unless `allow_missing`, a layer with parameters that no file holds is an error: a model cut
-    short (or the wrong file) would otherwise train or score with filler weights."""
+    short (or the wrong file) would otherwise train or score with filler weights. Every problem
+    is reported in one message, shape mismatches first (--allow-missing cannot fix those)."""
     models = [p if isinstance(p, CaffeModel) else read_caffemodel(p) for p in paths]
-    if not allow_missing:
-        missing = layers_without_weights(net, models)
-        if missing:
-            raise WeightsError(f"no weights for layer(s) {', '.join(missing)}",
-                               path=",".join(str(m.path) for m in models),
-                               hint="pass --allow-missing to keep their initial (filler) "
-                                    "values, as when fine-tuning new layers")
+    problems = [m for model in models for m in _mismatches(net, model)]
+    missing = [] if allow_missing else layers_without_weights(net, models)
+    if missing:
+        hint = MISSING_HINT if not problems else \
+            f"--allow-missing keeps the filler values of the missing; {RENAME_HINT}"
+        raise WeightsError("; ".join(problems + [f"no weights for layer(s) {', '.join(missing)}"]),
+                           path=",".join(str(m.path) for m in models), hint=hint)
     for model in models:
         copy_weights_into(net, model)
     return models
