@@ -408,7 +408,8 @@ def data_mean(db, out, backend):
 @click.option("--profile", "profile_iterations", default=0, show_default=True,
               type=click.IntRange(min=0),
               help="Time this many forward/backward passes here: the compute of the predicted "
-                   "iteration, and whether the net is AlexNet-like (seed 004) and where it "
+                   "iteration, and whether the net is AlexNet-like (the patent application "
+                   "'Model training method and device for AlexNet-like networks') and where it "
                    "splits.")
 @click.option("--profile-file", type=click.Path(dir_okay=False), default=None,
               help="Take the compute from a profile saved by --save-profile.")

@@ -241,8 +241,8 @@ def _busy_text(row):
 
 
 def alexnet_like_lines():
-    """What `caffepar plan --profile` says of each bundled net (seed 004's rule)."""
-    lines = ["## AlexNet-like nets (seed 004)", "",
+    """What `caffepar plan --profile` says of each bundled net (the AlexNet-like rule)."""
+    lines = ["## AlexNet-like nets (the patent application's rule)", "",
              "`caffepar plan --model models/<net>/train_val_dummy.prototxt --profile 2` "
              "(one process, this machine):", ""]
     for name in ("alexnet", "vgg16", "cifar10_quick"):

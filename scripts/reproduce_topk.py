@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Top-k gradient sparsification with residuals (seed 001, DLGS) against exact synchronous SGD:
+"""Top-k gradient sparsification with residuals (DLGS: Ju, Kang, Liu and Huo, 2024) against exact synchronous SGD:
 cifar10_quick on all of CIFAR-10, P=2, 4000 iterations of Caffe's recipe (lr 0.001).
 
     python scripts/reproduce_topk.py [--configs exact,topk,topk_momentum] [--ratio 0.01]

@@ -256,3 +256,23 @@ def test_debug_info_of_diverging_values_prints_inf_without_numpy_warnings(tmp_pa
                            "continue"], capsys)
     assert code == 0, err
     assert "L2 norm = (inf" in err
+
+
+def test_methods_are_named_by_their_papers_not_by_numbers():
+    """Users have papers, not internal numbers: no "seed 00N" in the README, the CLI help or the
+    package's docstrings and messages."""
+    import re
+    from click.testing import CliRunner
+    from caffepar.cli import cli
+    numbering = re.compile(r"seed 00\d|\b00[1-4]'s\b", re.I)
+    texts = {"README.md": (ROOT / "README.md").read_text()}
+    texts.update({str(p.relative_to(ROOT)): p.read_text()
+                  for p in sorted((ROOT / "caffepar").rglob("*.py"))})
+    runner = CliRunner()
+    commands = [[]] + [[name] for name in cli.commands] + [
+        ["convert", name] for name in getattr(cli.commands.get("convert"), "commands", {})]
+    for args in commands:
+        texts[" ".join(["caffepar"] + args + ["--help"])] = runner.invoke(cli, args + ["--help"]).output
+    found = [name for name, text in texts.items() if numbering.search(text)]
+    assert found == []
+    assert "Ju Tao, Kang Heting, Liu Shuai and Huo" in texts["README.md"]

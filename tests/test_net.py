@@ -212,3 +212,19 @@ def test_loss_layer_without_top_gets_an_anonymous_one():
         Net(P("""layer { name: "in" type: "Input" top: "x" top: "y"
                          input_param { shape { dim: 2 dim: 3 } shape { dim: 2 } } }
                  layer { name: "acc" type: "Accuracy" bottom: "x" bottom: "y" }"""), TRAIN)
+
+
+def test_bottom_whose_producers_the_rules_drop_names_the_stage_that_keeps_them(tmp_path):
+    from caffepar.graph.net import TEST
+    path = tmp_path / "staged.prototxt"
+    path.write_text('layer { name: "data" type: "Input" top: "data" include { stage: "deploy" }\n'
+                    '        input_param { shape { dim: 1 dim: 3 } } }\n'
+                    'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"\n'
+                    '        inner_product_param { num_output: 2 } }\n')
+    with pytest.raises(NetError) as info:
+        Net(str(path), phase=TEST)
+    assert str(info.value) == (
+        f'{path}:3: error: layer "ip" (InnerProduct): bottom blob "data" (bottom index 0) is made '
+        'only by layer "data" (Input), which the include/exclude rules drop in this state '
+        '(phase TEST, level 0, stages: none); --stage deploy keeps layer "data"')
+    assert Net(str(path), phase=TEST, stages=("deploy",)).blobs["ip"].shape == (1, 2)

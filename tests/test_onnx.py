@@ -436,3 +436,40 @@ def test_cli_dynamic_spatial_verifies_two_sizes(tmp_path, capsys):
               "--batch", "1"])
     out, _err = capsys.readouterr()
     assert e.value.code == 0 and "inputs data 1x3x21x19" in out
+
+
+def test_dummydata_refusal_says_what_it_is(tmp_path):
+    net = tmp_path / "dummy.prototxt"
+    net.write_text('layer { name: "d" type: "DummyData" top: "x" dummy_data_param { '
+                   'shape { dim: 1 dim: 3 } } }\n'
+                   'layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" '
+                   'inner_product_param { num_output: 2 } }\n')
+    with pytest.raises(OnnxExportError) as info:
+        export_onnx(str(net), None, allow_missing=True)
+    assert "dataset" not in str(info.value) and "fillers" in str(info.value)
+
+
+BN_CHAIN = """
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 2 dim: 4 dim: 4 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 3 kernel_size: 1 weight_filler { type: "gaussian" std: 1 } } }
+""" + "".join(f'layer {{ name: "bn{i}" type: "BatchNorm" bottom: "conv1" top: "conv1" '
+              'batch_norm_param { eps: 1e-30 } }\n' for i in (1, 2, 3))
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_verify_names_batchnorm_layers_without_statistics(tmp_path, capsys):
+    """--allow-missing left the BatchNorm statistics at their defaults (variance 0, factor 0):
+    the non-finite output is put down to them, without NumPy's overflow warnings."""
+    import caffepar as caffe
+    plain = tmp_path / "plain.prototxt"
+    plain.write_text(BN_CHAIN.split('layer { name: "bn1"')[0])
+    caffe.Net(str(plain), caffe.TEST).save(str(tmp_path / "w.caffemodel"))
+    (tmp_path / "bn.prototxt").write_text(BN_CHAIN)
+    with pytest.raises(SystemExit) as ended:
+        main(["convert", "onnx", str(tmp_path / "bn.prototxt"), str(tmp_path / "w.caffemodel"),
+              str(tmp_path / "bn.onnx"), "--verify", "--allow-missing"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 1
+    assert "BatchNorm layer(s) bn1, bn2, bn3 have no statistics" in err
+    assert "diverged" not in err and err.count("\n") == 1

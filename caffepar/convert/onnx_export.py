@@ -618,13 +618,15 @@ CONVERTERS = {
 }
 """Caffe type string -> converter(graph, ctx) returning the ONNX names of the layer's tops."""
 
-_DATA_TYPES = {"Data", "ImageData", "HDF5Data", "MemoryData", "DummyData", "WindowData"}
+_DATA_TYPES = {"Data", "ImageData", "HDF5Data", "MemoryData", "WindowData"}
 _LOSS_TYPES = {"SoftmaxWithLoss", "SigmoidCrossEntropyLoss", "EuclideanLoss", "HingeLoss",
                "InfogainLoss", "MultinomialLogisticLoss", "ContrastiveLoss", "Accuracy",
                "Silence", "HDF5Output"}
 UNSUPPORTED = {
     **{t: "reads a dataset; export the deploy net, whose Input layer becomes the graph input"
        for t in _DATA_TYPES},
+    "DummyData": "makes its tops from fillers (constant, gaussian, ...), which is no model "
+                 "input; export the deploy net, whose Input layer becomes the graph input",
     **{t: "is a training/scoring layer; export the deploy net without it" for t in _LOSS_TYPES},
     "Python": "runs arbitrary Python code",
     "RNN": "recurrent layers are not exported",

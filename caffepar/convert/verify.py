@@ -82,6 +82,13 @@ def verify_onnx(result, seed=0, tolerance=1e-4, inputs=None, all_blobs=False,
         net.reshape()
 
 
+def _batchnorm_without_statistics(net):
+    """Names of BatchNorm layers whose stored statistics were never set (factor 0)."""
+    return [layer.name for layer in net.layers
+            if layer.type == "BatchNorm" and len(layer.blobs) == 3
+            and not np.asarray(layer.blobs[2].data).any()]
+
+
 def _verify(result, seed, tolerance, inputs, all_blobs):
     import onnxruntime as ort
     net = result.net
@@ -108,12 +115,19 @@ def _verify(result, seed, tolerance, inputs, all_blobs):
     names = blobs
     for name, value in inputs.items():
         net.blobs[name].data[...] = value
-    net.forward_from_to()
+    with np.errstate(all="ignore"):     # a non-finite output is reported below, in one line
+        net.forward_from_to()
     bad = [n for n in names if not np.isfinite(net.blobs[n].data).all()]
     if bad:
-        raise CaffeparError(f"caffepar's own output {', '.join(repr(n) for n in bad)} is not "
-                            "finite (NaN or infinite) on random input, so there is nothing to "
-                            "compare onnxruntime with: check the weights (a diverged snapshot?)")
+        what = f"caffepar's own output {', '.join(repr(n) for n in bad)} is not finite (NaN " \
+            "or infinite) on random input, so there is nothing to compare onnxruntime with"
+        empty = _batchnorm_without_statistics(net)
+        if empty:
+            raise CaffeparError(
+                f"{what}: BatchNorm layer(s) {', '.join(empty)} have no statistics (mean and "
+                "variance 0 with a moving-average factor of 0: the weights file has none for "
+                "them and --allow-missing kept the defaults); give weights that hold them")
+        raise CaffeparError(f"{what}: check the weights (a diverged snapshot?)")
     max_abs, scale = {}, {}
     for name in names:
         ref = net.blobs[name].data

@@ -22,10 +22,12 @@ def state_meets_rule(state, rule):
 
 
 def filter_net(net, smap=None):
-    """Keep only the layers the net's `state` selects."""
+    """Keep only the layers the net's `state` selects. A kept layer whose bottom only layers
+    the rules dropped make is an error that says so, and which state would keep them."""
     out = caffe_pb2.NetParameter()
     out.CopyFrom(net)
     del out.layer[:]
+    made, dropped = set(net.input), {}
     for layer in net.layer:
         if layer.include and layer.exclude:
             raise NetError("specify either include rules or exclude rules, not both",
@@ -36,8 +38,56 @@ def filter_net(net, smap=None):
         else:
             keep = not any(state_meets_rule(net.state, r) for r in layer.exclude)
         if keep:
+            for j, name in enumerate(layer.bottom):
+                if name not in made and name in dropped:
+                    raise NetError(
+                        f'bottom blob "{name}" (bottom index {j}) is made only by '
+                        f"{_names(dropped[name])}, which the include/exclude rules drop in "
+                        f"this state ({_state_text(net.state)})",
+                        layer=layer.name, layer_type=layer.type, path=smap and smap.path,
+                        line=smap and smap.line_of(layer.name),
+                        hint=_keeping_state(net.state, dropped[name]))
+            made.update(layer.top)
             out.layer.add().CopyFrom(layer)
+        else:
+            for name in layer.top:
+                dropped.setdefault(name, []).append(layer)
     return out
+
+
+def _names(layers):
+    return ", ".join(f'layer "{l.name}" ({l.type})' for l in layers)
+
+
+def _state_text(state):
+    phase = caffe_pb2.Phase.Name(state.phase)
+    stages = ", ".join(state.stage) or "none"
+    return f"phase {phase}, level {state.level}, stages: {stages}"
+
+
+def _keeping_state(state, layers):
+    """How the command line would keep one of `layers`: the --stage (or --phase, --level)
+    options that meet one of its include rules, or drop the stage of its exclude rule."""
+    for layer in layers:
+        for rule in layer.include:
+            if any(s in state.stage for s in rule.not_stage):
+                continue
+            options = []
+            if rule.HasField("phase") and rule.phase != state.phase:
+                options.append(f"--phase {caffe_pb2.Phase.Name(rule.phase)}")
+            if rule.HasField("min_level") and state.level < rule.min_level:
+                options.append(f"--level {rule.min_level}")
+            if rule.HasField("max_level") and state.level > rule.max_level:
+                options.append(f"--level {rule.max_level}")
+            options += [f"--stage {s}" for s in rule.stage if s not in state.stage]
+            if options:
+                return f'{" ".join(options)} keeps layer "{layer.name}"'
+        for rule in layer.exclude:
+            if state_meets_rule(state, rule):
+                gone = [s for s in rule.stage if s in state.stage]
+                if gone:
+                    return f'without --stage {" ".join(gone)}, layer "{layer.name}" is kept'
+    return None
 
 
 def split_layer_name(layer_name, blob_name, top_index):

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 ALEXNET_SHARE = 0.10
-"""Seed 004's rule: backward time share of the top part, parameter share of the bottom part."""
+"""The AlexNet-like rule of the patent application "Model training method and device for
+AlexNet-like networks": backward time share of the top part, parameter share of the bottom
+part."""
 
 
 @dataclass
@@ -113,7 +115,7 @@ def split_buckets(units, split_index):
 
 @dataclass
 class AlexNetLike:
-    """Seed 004's detection on a profile: `split` (layer p) is the layer where backward time,
+    """The AlexNet-like detection on a profile: `split` (layer p) is the layer where backward time,
     summed from the top layer down, first passes 10% of the total; the net is AlexNet-like
     when the layers below p hold < 10% of the parameters. The layers from the top down to p
     are then its FC part, the rest its convolution part."""

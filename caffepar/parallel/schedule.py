@@ -1,5 +1,6 @@
-"""The modelled iteration of a data-parallel run with gradient buckets, and seed 001's optimal
-merge of layers into buckets (MG-WFBP).
+"""The modelled iteration of a data-parallel run with gradient buckets, and DLGS's optimal
+merge of layers into buckets (Ju, Kang, Liu and Huo, Journal of Xi'an Jiaotong University, 2024;
+as MG-WFBP).
 
 The model follows what gradsync.py does: forward, then backward from the top layer down; a
 bucket's gradients are complete once backward has passed its lowest layer; preparing a bucket
@@ -59,7 +60,7 @@ def model_iteration(forward_s, backward_s, update_s, buckets, comm_s, prepare_s=
 
 
 def optimal_merge(units, forward_s, backward_s, update_s, comm_s, prepare_s=None):
-    """Seed 001's merge: from the top layer's bucket down, merge a bucket into the one below
+    """DLGS's merge: from the top layer's bucket down, merge a bucket into the one below
     it (its gradients then travel with that bucket's) whenever the modelled iteration gets
     shorter. O(L^2) model evaluations. Returns the buckets (top first)."""
     buckets = [Bucket([u]) for u in units]
@@ -82,7 +83,7 @@ def optimal_merge(units, forward_s, backward_s, update_s, comm_s, prepare_s=None
 
 
 def merge_buckets(units, backward_ms, cost_model, ranks, itemsize=4):
-    """`--merge auto`: seed 001's merge of layer buckets with each bucket's allreduce predicted
+    """`--merge auto`: DLGS's merge of layer buckets with each bucket's allreduce predicted
     by `cost_model` at `ranks`; returns (buckets, (modelled ms with a bucket per layer, with
     the merged buckets))."""
     backward_s = [t / 1e3 for t in backward_ms]

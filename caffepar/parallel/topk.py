@@ -1,4 +1,6 @@
-"""Layer-wise top-k sparsification with residuals (seed 001, DLGS).
+"""Layer-wise top-k sparsification with residuals: DLGS (Ju, Kang, Liu and Huo, "Dynamic
+layer-wise gradient sparsification and gradient merging optimization method for deep neural
+networks", Journal of Xi'an Jiaotong University, 2024).
 
 Per layer, the gradient plus the layer's residual is thresholded: values with |g| >= the
 layer's threshold are sent as (index, value) pairs, the rest stay in the residual and are sent
