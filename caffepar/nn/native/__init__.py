@@ -72,6 +72,7 @@ SIGNATURES = {
     "conv_from_lanes": "ppp" + "i" * 6,
     "conv_direct_forward": "ppp" + "i" * 15,
     "conv_direct_dw": "ppp" + "i" * 15,
+    "conv_block": "",
 }
 
 
@@ -174,7 +175,11 @@ def build(path):
 
 
 def _bind(lib):
-    funcs = {}
+    funcs = {"build": {}}
+    for name in ("native_bytes", "native_regs"):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int64, []
+        funcs["build"][name] = fn()
     kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "d": ctypes.c_double}
     for name, sig in SIGNATURES.items():
         for suffix in SUFFIX.values():
@@ -189,9 +194,12 @@ class Kernels:
     """The kernels of one dtype: ``k.max_pool_forward(...)`` calls ``max_pool_forward_f32``."""
 
     def __init__(self, funcs, suffix):
-        for (name, s), fn in funcs.items():
+        for (name, s), fn in ((k, f) for k, f in funcs.items() if k != "build"):
             if s == suffix:
                 setattr(self, name, fn)
+        #: The vector width (bytes) and register count the library was built for.
+        self.vector_bytes = funcs["build"]["native_bytes"]
+        self.registers = funcs["build"]["native_regs"]
 
 
 _LOCK = threading.Lock()
