@@ -96,7 +96,31 @@ def benchmark(net, iterations, progress=None, comm=None, options=None, cost_mode
     return result
 
 
-def format_benchmark(net, result):
+def engine_lines(net):
+    """Per layer with a choice of engines (Convolution, InnerProduct): the engine it runs on and
+    by how much it won when it was measured (the runner-up's time / its own)."""
+    from caffepar.nn import calibrate
+    lines = []
+    for i, layer in enumerate(net.layers):
+        if not hasattr(layer, "engine"):
+            continue
+        calibrate.last_choice(clear=True)
+        engine = layer.engine(net.blob_list[net.bottom_ids[i][0]].shape)
+        entry = calibrate.last_choice()
+        won = calibrate.margin(entry) if entry and entry.get("engine") == engine else None
+        if won is None:
+            how = "no measured alternative (one engine able, or rules)"
+        else:
+            runner, ratio = won
+            ms = entry["ms"]
+            how = (f"{ms[engine]:.2f} ms vs {runner} {ms[runner]:.2f} ms: " +
+                   (f"won by {ratio:.2f}x" if ratio >= 1 + calibrate.TIE else
+                    f"a tie (within {100 * calibrate.TIE:.0f}%), the first listed kept"))
+        lines.append(f"{net._layer_names[i]}\t{layer.type}\t{engine}\t{how}")
+    return lines
+
+
+def format_benchmark(net, result, engines=False):
     width = max([10] + [len(name) for name in net._layer_names])
     lines = ["Average time per layer:"]
     for i, (name, f, b) in enumerate(zip(net._layer_names, result.forward_ms,
@@ -130,8 +154,11 @@ def format_benchmark(net, result):
         lines.append(f"Average communication ({result.ranks} ranks): {comm_ms:.4f} ms, "
                      f"{comm_mb:.3f} MB per iteration.")
     lines += [f"Average Forward-Backward: {np.mean(result.iteration_ms):.4f} ms.",
-              f"Total Time: {result.total_ms:.4f} ms.",
-              "*** Benchmark ends ***"]
+              f"Total Time: {result.total_ms:.4f} ms."]
+    if engines:
+        lines += ["Engines (layer, type, engine, its measured time vs the runner-up's):"]
+        lines += ["    " + line for line in engine_lines(net)]
+    lines += ["*** Benchmark ends ***"]
     return "\n".join(lines)
 
 

@@ -124,6 +124,23 @@ def _cpu_flags():
     return platform.processor()
 
 
+def cpu_model():
+    """The CPU's vendor, family, model and name ("AuthenticAMD 25 17 AMD EPYC"): engine choices
+    and results are kept per CPU model, which the feature flags alone do not tell apart."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    parts = [fields.get(k, "") for k in ("vendor_id", "cpu family", "model", "model name")]
+    return " ".join(p for p in parts if p) or platform.processor() or platform.machine()
+
+
 def _sources():
     return sorted(p for p in SOURCES.iterdir() if p.suffix in (".c", ".inc"))
 
