@@ -1,7 +1,6 @@
 """Engine choice by measurement that holds between runs: close calls timed again until clear or
 settled as a tie by the candidates' order, the cache kept per CPU model and build, and
 `caffepar time --engines` printing the choice and its margin."""
-import itertools
 
 import pytest
 
