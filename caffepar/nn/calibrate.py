@@ -134,6 +134,9 @@ def choose(key, candidates, timing, describe):
         with _measurement():
             start = time.perf_counter()
             times = _measure(timing(), candidates)
+        # The work arrays every candidate left behind: only the chosen one's come back.
+        from caffepar.nn.blas import release_workspace
+        release_workspace()
         engine = _pick(times, candidates)
         log.info("Convolution %s: engine %s (%s; measured once in %.1f s)", describe, engine,
                  ", ".join(f"{e} {1e3 * t:.1f} ms" for e, t in sorted(times.items(),
