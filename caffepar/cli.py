@@ -182,6 +182,12 @@ ALLOW_MISSING_OPTION = click.option(
               help="Write every layer's forward and backward ms to this file, the compute "
                    "that `caffepar plan --profile-file` predicts iterations from (one "
                    "process, no --np).")
+@click.option("--engines", "show_engines", is_flag=True,
+              help="Print each Convolution and InnerProduct layer's engine and by how much it "
+                   "won when measured on this CPU.")
+@click.option("--memory", "show_memory", is_flag=True,
+              help="Print the memory floor (parameters, activations and their diffs), the "
+                   "measured peak and the largest blobs.")
 @comm_options
 @cost_options
 @WATCHDOG_OPTION
@@ -189,12 +195,13 @@ ALLOW_MISSING_OPTION = click.option(
 @click.option("--gpu", default=None, hidden=True)
 @click.pass_context
 def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, default_mode,
-             model_parallel, mp_threshold, threads, mpiexec, save_profile, watchdog,
-             allow_missing, gpu, calibration, network, alpha, beta, **comm_flags):
+             model_parallel, mp_threshold, threads, mpiexec, save_profile, show_engines,
+             show_memory, watchdog, allow_missing, gpu, calibration, network, alpha, beta, **comm_flags):
     """Time forward and backward of every layer, as `caffe time`."""
     from caffepar.graph.net import Net
     from caffepar.parallel.options import CommOptions
-    from caffepar.timing import benchmark, format_benchmark
+    from caffepar.timing import benchmark, format_benchmark, format_memory, peak_rss
+    start_rss = peak_rss()
     _warn_gpu(gpu)
     if comm_flags.get("momentum_correction"):
         raise click.UsageError("--momentum-correction needs a solver's momentum: it is an "
@@ -218,7 +225,9 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
     result = benchmark(net, iterations, comm=comm, options=options, cost_model=cost_model,
                        progress=lambda i, ms: say(
         f"Iteration: {i} forward-backward time: {ms:.2f} ms."))
-    say(format_benchmark(net, result))
+    say(format_benchmark(net, result, engines=show_engines))
+    if show_memory:
+        say(format_memory(net, start_rss))
     if save_profile:
         from caffepar.timing import profile_dict
         from caffepar.timing import save_profile as save_profile_file

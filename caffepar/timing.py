@@ -96,7 +96,31 @@ def benchmark(net, iterations, progress=None, comm=None, options=None, cost_mode
     return result
 
 
-def format_benchmark(net, result):
+def engine_lines(net):
+    """Per layer with a choice of engines (Convolution, InnerProduct): the engine it runs on and
+    by how much it won when it was measured (the runner-up's time / its own)."""
+    from caffepar.nn import calibrate
+    lines = []
+    for i, layer in enumerate(net.layers):
+        if not hasattr(layer, "engine"):
+            continue
+        calibrate.last_choice(clear=True)
+        engine = layer.engine(net.blob_list[net.bottom_ids[i][0]].shape)
+        entry = calibrate.last_choice()
+        won = calibrate.margin(entry) if entry and entry.get("engine") == engine else None
+        if won is None:
+            how = "no measured alternative (one engine able, or rules)"
+        else:
+            runner, ratio = won
+            ms = entry["ms"]
+            how = (f"{ms[engine]:.2f} ms vs {runner} {ms[runner]:.2f} ms: " +
+                   (f"won by {ratio:.2f}x" if ratio >= 1 + calibrate.TIE else
+                    f"a tie (within {100 * calibrate.TIE:.0f}%), the first listed kept"))
+        lines.append(f"{net._layer_names[i]}\t{layer.type}\t{engine}\t{how}")
+    return lines
+
+
+def format_benchmark(net, result, engines=False):
     width = max([10] + [len(name) for name in net._layer_names])
     lines = ["Average time per layer:"]
     for i, (name, f, b) in enumerate(zip(net._layer_names, result.forward_ms,
@@ -130,8 +154,86 @@ def format_benchmark(net, result):
         lines.append(f"Average communication ({result.ranks} ranks): {comm_ms:.4f} ms, "
                      f"{comm_mb:.3f} MB per iteration.")
     lines += [f"Average Forward-Backward: {np.mean(result.iteration_ms):.4f} ms.",
-              f"Total Time: {result.total_ms:.4f} ms.",
-              "*** Benchmark ends ***"]
+              f"Total Time: {result.total_ms:.4f} ms."]
+    if engines:
+        lines += ["Engines (layer, type, engine, its measured time vs the runner-up's):"]
+        lines += ["    " + line for line in engine_lines(net)]
+    lines += ["*** Benchmark ends ***"]
+    return "\n".join(lines)
+
+
+def _base(a):
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def memory_floor(net, history=0):
+    """{part: bytes} the memory a pass cannot do without: the parameters, their diffs and
+    `history` solver histories of them (momentum: 1), and every blob's data and diff, each array
+    counted once however many blobs share it (in-place layers, the flat parameter buffers)."""
+    seen = set()
+
+    def unique(arrays):
+        total = 0
+        for a in arrays:
+            base = _base(a)
+            if id(base) not in seen:
+                seen.add(id(base))
+                total += base.nbytes
+        return total
+
+    params = unique([net.param_data])
+    diffs = unique([net.param_diff])
+    return {"parameters": params, "parameter diffs": diffs, "solver history": history * params,
+            "activations": unique(b.data for b in net.blob_list),
+            "activation diffs": unique(b.diff for b in net.blob_list)}
+
+
+def largest_blobs(net, count=8):
+    """[(bytes, what)]: the largest arrays of the net (blob data and diffs, parameters)."""
+    found = {}
+    for name, blob in zip(net.blob_names, net.blob_list):
+        for part, a in (("data", blob.data), ("diff", blob.diff)):
+            base = _base(a)
+            found.setdefault(id(base), (base.nbytes, f"blob {name} {part} {blob.shape}"))
+    for i, layer in enumerate(net.layers):
+        for k, blob in enumerate(layer.blobs):
+            found[id(blob.data)] = (blob.data.nbytes, f"layer {net._layer_names[i]} param {k} "
+                                                      f"{blob.shape} (and its diff)")
+    return sorted(found.values(), key=lambda x: -x[0])[:count]
+
+
+def peak_rss():
+    """This process's peak resident memory (bytes), or None where the OS does not tell."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except (ImportError, OSError):
+        return None
+
+
+def format_memory(net, start_rss=None, history=0):
+    """`caffepar time --memory`: the floor, the measured peak and the largest blobs."""
+    mb = 2 ** 20
+    floor = memory_floor(net, history)
+    total = sum(floor.values())
+    peak = peak_rss()
+    lines = ["Memory:", f"    floor {total / mb:.1f} MB (" +
+             ", ".join(f"{k} {v / mb:.1f}" for k, v in floor.items() if v) + ")"]
+    if peak is not None:
+        extra = f", {(peak - start_rss) / mb:.1f} MB above the {start_rss / mb:.1f} MB the " \
+                f"process held before the net" if start_rss else ""
+        lines.append(f"    measured peak {peak / mb:.1f} MB: {peak / total:.2f}x the floor{extra}")
+    lines.append("    largest:")
+    lines += [f"        {size / mb:9.1f} MB  {what}" for size, what in largest_blobs(net)]
     return "\n".join(lines)
 
 

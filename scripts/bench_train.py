@@ -191,6 +191,47 @@ def cpu_name():
         return platform.processor() or platform.machine()
 
 
+# AMD families 23, 25 and 26 by model range; Intel family 6 server and client cores by model.
+AMD_CORES = {23: [(0x00, "zen"), (0x30, "zen2")],
+             25: [(0x00, "zen3"), (0x10, "zen4"), (0x20, "zen3"), (0x60, "zen4"),
+                  (0x70, "zen4"), (0xa0, "zen4")],
+             26: [(0x00, "zen5")]}
+INTEL_CORES = {0x3f: "haswell", 0x4f: "broadwell", 0x55: "skylakex", 0x6a: "icelake",
+               0x6c: "icelake", 0x8f: "sapphirerapids", 0xcf: "emeraldrapids",
+               0xad: "graniterapids", 0x9e: "kabylake", 0xa5: "cometlake", 0x97: "alderlake",
+               0xb7: "raptorlake"}
+
+
+def cpu_key(cpuinfo="/proc/cpuinfo"):
+    """<vendor>_<family>: amd_zen4, intel_skylakex, ... (the CPU's family and model numbers
+    where the model is not listed), naming the results files of each CPU met."""
+    try:
+        with open(cpuinfo) as f:
+            fields = dict((k.strip(), v.strip()) for k, v in
+                          (line.split(":", 1) for line in f.read(1 << 16).splitlines()[:40]
+                           if ":" in line))
+    except OSError:
+        return platform.machine().lower() or "unknown"
+    vendor = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(fields.get("vendor_id"),
+                                                                 fields.get("vendor_id",
+                                                                            "cpu").lower())
+    try:
+        family, model = int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):
+        return f"{vendor}_{platform.machine().lower()}"
+    name = None
+    if vendor == "amd" and family in AMD_CORES:
+        name = [core for start, core in AMD_CORES[family] if model >= start][-1]
+    elif vendor == "intel" and family == 6:
+        name = INTEL_CORES.get(model)
+    return f"{vendor}_{name or f'f{family}m{model}'}"
+
+
+def build_isa(vector_bytes):
+    """The instruction set the kernels were built for, from their vector width."""
+    return {64: "AVX-512", 32: "AVX2", 16: "SSE"}.get(vector_bytes, f"{vector_bytes}-byte")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nets", default=",".join(NETS))

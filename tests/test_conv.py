@@ -541,7 +541,8 @@ def test_engine_measured_once_and_cached(tmp_path, monkeypatch, kernel_path):
     monkeypatch.setattr(calibrate, "_chosen", {})         # another process: reads the file
     assert cm.conv_engine(*shape, batch=2) == "im2col" and len(timed) == per_shape
     (entry,) = calibrate._load(calibrate._cache_file()).items()
-    assert entry[0].startswith("2x3x9x9 4 k3x3 s1x1 p1x1 d1x1 g1 float32") and entry[1] == "im2col"
+    assert entry[0].startswith("2x3x9x9 4 k3x3 s1x1 p1x1 d1x1 g1 float32")
+    assert entry[1]["engine"] == "im2col" and entry[1]["ms"]["im2col"] == 1000.0
     assert cm.conv_engine(*shape, batch=3) == "im2col" and len(timed) == 2 * per_shape
     assert cm.conv_engine(*shape, batch=3, need_dx=False) == "im2col"    # a first layer
     assert len(timed) == 3 * per_shape

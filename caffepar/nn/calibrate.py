@@ -7,8 +7,13 @@ pick it without measuring.
 A rule tuned on one CPU is only a guess on another (a 13x13 layer, a 64-channel one, an AVX2
 host with a slower BLAS, a BLAS that does not know the CPU): measuring on the machine at hand
 holds everywhere. The cache file's name is a hash of everything the timing depends on -- the
-CPU, the engine code, the BLAS, the kernel path -- and each entry's key holds the thread count
-too.
+CPU model and its features, the engine code and the flags the kernels are built with, the BLAS,
+the kernel path -- and each entry's key holds the thread count too.
+
+A choice must hold between runs: when two engines come out close, they are timed again in
+alternating rounds until one is clearly ahead (by CLEAR) or the rounds run out; then a tie
+(within TIE) goes to the one listed first, whichever happened to be faster this time. Each entry
+keeps the times it was chosen on, which `caffepar time --engines` prints.
 
 ``CAFFEPAR_CONV_ENGINES`` selects: ``measure`` (default), ``rules`` (fixed thresholds, no
 timing; the test suite uses it) or a convolution engine's name (every shape it can run goes to
@@ -30,6 +35,12 @@ log = logging.getLogger("caffepar")
 
 #: Timing rounds per shape (the fastest counts).
 ROUNDS = 3
+#: The runner-up this much slower (best times): the choice is clear.
+CLEAR = 0.05
+#: More alternating rounds of the two best, at most, while the choice is not clear.
+MORE_ROUNDS = 8
+#: The two best this close after all rounds: a tie, settled by the candidates' order.
+TIE = 0.03
 
 _LOCK = threading.RLock()
 _chosen = {}            # cache file path -> {key: engine}
@@ -57,8 +68,8 @@ def _hashed_path(native):
     for p in (sorted(here.glob("conv/*.py")) + [here / "inner_product.py", Path(__file__)]
               + native._sources()):
         h.update(p.name.encode() + b"\0" + p.read_bytes())
-    for part in (native._cpu_flags(), native.mode(), np.__version__,
-                 os.environ.get("CAFFEPAR_BLAS", "")):
+    for part in (native.cpu_model(), native._cpu_flags(), " ".join(native.flags()),
+                 native.mode(), np.__version__, os.environ.get("CAFFEPAR_BLAS", "")):
         h.update(part.encode() + b"\0")
     return native.cache_dir() / f"conv-engines-{h.hexdigest()[:20]}.json"
 
@@ -72,14 +83,14 @@ def _load(path):
         return {}
 
 
-def _save(path, key, engine):
+def _save(path, key, entry):
     """Add one entry to the cache file (merged with what other processes wrote meanwhile)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.parent / ".engines.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             entries = _load(path)
-            entries[key] = engine
+            entries[key] = entry
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             with open(tmp, "w") as f:
                 json.dump(entries, f, indent=0, sort_keys=True)
@@ -107,39 +118,84 @@ def choose(key, candidates, timing, describe):
     timing() makes run(engine), one forward + backward. `describe` names the shape in the
     log."""
     if len(candidates) == 1:
+        _last.entry = {"engine": candidates[0], "ms": {}}
         return candidates[0]
     with _LOCK:
         path = _cache_file()
         chosen = _chosen.get(path)
         if chosen is None:
             chosen = _chosen[path] = _load(path)
-        engine = chosen.get(key)
-        if engine in candidates:
-            return engine
+        entry = chosen.get(key)
+        if isinstance(entry, str):          # written before the times were kept
+            entry = {"engine": entry, "ms": {}}
+        if isinstance(entry, dict) and entry.get("engine") in candidates:
+            _last.entry = entry
+            return entry["engine"]
         with _measurement():
             start = time.perf_counter()
-            run = timing()
-            # A first run of each (its first touches of buffers count against it: a slow one
-            # is out anyway), then alternating rounds over the ones within 2x of the best (a
-            # busy spell on a shared machine hits them alike), and a last look at the two best
-            # when close.
-            times = {e: _timed(run, e) for e in candidates}
-            for _ in range(ROUNDS):
-                best = min(times.values())
-                for e in [e for e in candidates if times[e] < 2 * best]:
-                    times[e] = min(times[e], _timed(run, e))
-            ranked = sorted(times, key=times.get)
-            if times[ranked[1]] < 1.1 * times[ranked[0]]:
-                for e in ranked[:2]:
-                    times[e] = min(times[e], _timed(run, e))
-            engine = min(times, key=times.get)
+            times = _measure(timing(), candidates)
+        # The work arrays every candidate left behind: only the chosen one's come back.
+        from caffepar.nn.blas import release_workspace
+        release_workspace()
+        engine = _pick(times, candidates)
         log.info("Convolution %s: engine %s (%s; measured once in %.1f s)", describe, engine,
                  ", ".join(f"{e} {1e3 * t:.1f} ms" for e, t in sorted(times.items(),
                                                                       key=lambda i: i[1])),
                  time.perf_counter() - start)
-        chosen[key] = engine
-        _save(path, key, engine)
+        entry = {"engine": engine, "ms": {e: round(1e3 * t, 3) for e, t in times.items()}}
+        chosen[key] = _last.entry = entry
+        _save(path, key, entry)
         return engine
+
+
+def _measure(run, candidates):
+    """{engine: fastest seconds}: a first run of each (its first touches of buffers count
+    against it: a slow one is out anyway), alternating rounds over the ones within 2x of the
+    best (a busy spell on a shared machine hits them alike), then more rounds of the two best
+    while they are close."""
+    times = {e: _timed(run, e) for e in candidates}
+    for _ in range(ROUNDS):
+        best = min(times.values())
+        for e in [e for e in candidates if times[e] < 2 * best]:
+            times[e] = min(times[e], _timed(run, e))
+    for _ in range(MORE_ROUNDS):
+        first, second = sorted(times, key=times.get)[:2]
+        if times[second] >= (1 + CLEAR) * times[first]:
+            break
+        for e in (first, second):
+            times[e] = min(times[e], _timed(run, e))
+    return times
+
+
+def _pick(times, candidates):
+    """The fastest, or of two within TIE the one first in `candidates`."""
+    first, second = sorted(times, key=times.get)[:2]
+    if times[second] < (1 + TIE) * times[first]:
+        return min((first, second), key=candidates.index)
+    return first
+
+
+_last = threading.local()       # .entry: the last choice looked up in this thread
+
+
+def last_choice(clear=False):
+    """The last choice made or looked up in this thread: {"engine", "ms": {engine: ms}} (ms
+    empty when there was nothing to choose from or the entry predates them), or None; with
+    clear, forget it afterwards."""
+    entry = getattr(_last, "entry", None)
+    if clear:
+        _last.entry = None
+    return entry
+
+
+def margin(entry):
+    """How the chosen engine won: (runner-up, runner-up's ms / chosen's) or None."""
+    ms = dict(entry.get("ms") or {})
+    chosen = ms.pop(entry["engine"], None)
+    if not ms or not chosen:
+        return None
+    runner = min(ms, key=ms.get)
+    return runner, ms[runner] / chosen
 
 
 def _timed(run, engine):

@@ -47,6 +47,10 @@ class InnerProductLayer(Layer):
         self.m = int(np.prod(bottom[0].shape[:axis]))
         top[0].reshape(bottom[0].shape[:axis] + (self.num_output,))
 
+    def engine(self, bottom_shape):
+        """The engine this layer's shape runs on (`caffepar time` prints it)."""
+        return self._engine()
+
     def _engine(self):
         """How this shape runs: "wide" or "rows" (the compiled kernels) or "blas"."""
         w = self.blobs[0].data

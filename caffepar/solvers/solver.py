@@ -643,7 +643,7 @@ class Solver:
         """Caffe's Snapshot: the weights, then the solver state; both written atomically.
         Returns (model path, state path)."""
         p = self.param
-        if not np.isfinite(self.net.param_data).all():
+        if not _all_finite(self.net.param_data):
             log.warning("Snapshotting weights that are not all finite (NaN or infinite) at "
                         "iteration %d", self.iter)
         arrays = self.snapshot_blob_arrays()
@@ -810,3 +810,9 @@ def get_solver(param, source=None, base_dir=None):
         raise SolverError(f'unknown solver type "{type_name}"', path=source,
                           hint=f"known types: {', '.join(SOLVERS)}")
     return cls(param, source=source, base_dir=base_dir)
+
+
+def _all_finite(a, chunk=1 << 18):
+    """np.isfinite(a).all() a piece at a time: no mask as large as the weights."""
+    flat = a.reshape(-1)
+    return all(np.isfinite(flat[i:i + chunk]).all() for i in range(0, flat.size, chunk))

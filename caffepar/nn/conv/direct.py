@@ -2,9 +2,10 @@
 (caffepar/nn/native/conv.inc).
 
 Output channels go in the vector lanes: the result is built in a "lanes" layout (N, Ho, Wo, CP),
-each pixel's channels contiguous (padded to CP, a multiple of the 64-byte vector), by tiles of
-8 output pixels x 32 output channels held in registers while every input channel and tap adds
-one broadcast input value times a vector of weights. The input is read zero-padded in place of
+each pixel's channels contiguous (padded to CP, a multiple of 64 bytes), by tiles of output
+pixels x two vectors of output channels held in registers (8 x 2 zmm with AVX-512, 6 x 2 ymm
+with AVX2) while every input channel and tap adds one broadcast input value times a vector of
+weights. The input is read zero-padded in place of
 NCHW. The kernels are built for the host's instruction set (AVX-512 where there is one), which a
 BLAS tuned for another CPU may not use, so this engine does not depend on how well the BLAS knows
 the CPU; it does best on thin layers, where GEMMs are short.
@@ -120,11 +121,12 @@ class _Layout:
                               wp, cp, *g.kernel, ho, wo, *g.stride, *g.dilation, c0, c1)
 
     def weights(self, w):
-        """(O, C, KH, KW) -> (OP / B, C, KH, KW, B): blocks of B = 2 vectors of output channels
-        (the forward kernel's register tile), zero-padded."""
+        """(O, C, KH, KW) -> (OP / B, C, KH, KW, B): blocks of B output channels (the forward
+        kernel's register tile: 2 vectors of the width the kernels are built for),
+        zero-padded."""
         o = w.shape[0]
-        block = 2 * (64 // self.isz)
-        wt = np.zeros((-(-o // block) * block,) + w.shape[1:], self.dt)
+        block = self.k.conv_block()
+        wt = np.zeros((-(-_lanes(o, self.dt) // block) * block,) + w.shape[1:], self.dt)
         wt[:o] = w
         return np.ascontiguousarray(
             wt.reshape((-1, block) + w.shape[1:]).transpose(0, 2, 3, 4, 1))

@@ -72,6 +72,7 @@ SIGNATURES = {
     "conv_from_lanes": "ppp" + "i" * 6,
     "conv_direct_forward": "ppp" + "i" * 15,
     "conv_direct_dw": "ppp" + "i" * 15,
+    "conv_block": "",
 }
 
 
@@ -121,6 +122,23 @@ def _cpu_flags():
     except OSError:
         pass
     return platform.processor()
+
+
+def cpu_model():
+    """The CPU's vendor, family, model and name ("AuthenticAMD 25 17 AMD EPYC"): engine choices
+    and results are kept per CPU model, which the feature flags alone do not tell apart."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    parts = [fields.get(k, "") for k in ("vendor_id", "cpu family", "model", "model name")]
+    return " ".join(p for p in parts if p) or platform.processor() or platform.machine()
 
 
 def _sources():
@@ -174,7 +192,11 @@ def build(path):
 
 
 def _bind(lib):
-    funcs = {}
+    funcs = {"build": {}}
+    for name in ("native_bytes", "native_regs"):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int64, []
+        funcs["build"][name] = fn()
     kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "d": ctypes.c_double}
     for name, sig in SIGNATURES.items():
         for suffix in SUFFIX.values():
@@ -189,9 +211,12 @@ class Kernels:
     """The kernels of one dtype: ``k.max_pool_forward(...)`` calls ``max_pool_forward_f32``."""
 
     def __init__(self, funcs, suffix):
-        for (name, s), fn in funcs.items():
+        for (name, s), fn in ((k, f) for k, f in funcs.items() if k != "build"):
             if s == suffix:
                 setattr(self, name, fn)
+        #: The vector width (bytes) and register count the library was built for.
+        self.vector_bytes = funcs["build"]["native_bytes"]
+        self.registers = funcs["build"]["native_regs"]
 
 
 _LOCK = threading.Lock()

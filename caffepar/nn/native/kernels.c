@@ -13,14 +13,49 @@ typedef int64_t i64;
 #define FN2(name, suffix) FN_(name, suffix)
 #define FN(name) FN2(name, SUFFIX)
 
-/* Explicit vectors of 64 bytes (VL elements; two instructions each on AVX2 hosts, one with
- * AVX-512) where the compiler's own vectoriser falls short; TI is the integer of T's width, the
- * type of a comparison's lanes. */
-#define VL_OF(type) (64 / (i64)sizeof(type))
+/* The vector width and register count the kernels are built for, from the target the compiler
+ * is given (-march=native: the host's): AVX-512 has 32 registers of 64 bytes, AVX2/FMA 16 of 32
+ * bytes, SSE 16 of 16. Register tiles are sized from these: GCC keeps a vector wider than the
+ * target's registers, or more live vectors than it has, in memory (the stack) rather than in
+ * registers. -DNATIVE_BYTES=32 builds 256-bit code for an AVX-512 host (32 registers still,
+ * with AVX-512VL): faster where the 512-bit units are two 256-bit halves, measured by
+ * caffepar/nn/native/__init__.py. */
+#ifndef NATIVE_BYTES
+#if defined(__AVX512F__)
+#define NATIVE_BYTES 64
+#elif defined(__AVX__)
+#define NATIVE_BYTES 32
+#else
+#define NATIVE_BYTES 16
+#endif
+#endif
+#if defined(__AVX512F__)
+#define NATIVE_REGS 32
+#else
+#define NATIVE_REGS 16
+#endif
+
+/* Explicit vectors of NATIVE_BYTES (VL elements) where the compiler's own vectoriser falls
+ * short; TI is the integer of T's width, the type of a comparison's lanes. */
 #define VEC_TYPES                                                 \
-    enum { VL = 64 / sizeof(T) };                                 \
-    typedef T vec __attribute__((vector_size(64)));               \
-    typedef TI ivec __attribute__((vector_size(64)));
+    enum { VL = NATIVE_BYTES / sizeof(T) };                       \
+    typedef T vec __attribute__((vector_size(NATIVE_BYTES)));     \
+    typedef TI ivec __attribute__((vector_size(NATIVE_BYTES)));
+
+#define MIN_(a, b) ((a) < (b) ? (a) : (b))
+/* Before every loop over a register tile: unrolled in full, so that each element of the tile's
+ * array becomes a register (GCC replaces an array by registers only where every index is a
+ * constant). */
+#define TILE_LOOP _Pragma("GCC unroll 32")
+/* A vector of VL copies of s: s - 0 is s for every s (0 + s would turn -0 into +0, an add
+ * the compiler must keep). */
+#define BCAST(s) ((s) - (vec){})
+
+/* What the library was built with, for the Python side's layouts and reports. */
+#ifndef ONLY_F64
+i64 native_bytes(void) { return NATIVE_BYTES; }
+i64 native_regs(void) { return NATIVE_REGS; }
+#endif
 
 /* The other kernels repeat the NumPy code's roundings exactly (the build passes
  * -ffp-contract=off); the convolution kernels sum in their own order anyway, so they may fuse
