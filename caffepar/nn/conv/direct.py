@@ -28,7 +28,10 @@ PARTS_PER_THREAD = 4
 
 
 def applicable(g, dtype):
-    return (g.nd == 2 and _dx_pad(g) is not None and native.kernels(dtype) is not None)
+    """2-D, not over-padded, and an input no smaller than the dilated kernel (dw is a
+    convolution of the unpadded input by dy)."""
+    return (g.nd == 2 and _dx_pad(g) is not None and native.kernels(dtype) is not None
+            and all(i >= d * (k - 1) + 1 for i, k, d in zip(g.in_sp, g.kernel, g.dilation)))
 
 
 def _dx_pad(g):
