@@ -296,6 +296,7 @@ class DetectionOutputLayer(Layer):
 
     exact_bottoms = 3
     exact_tops = 1
+    data_dependent_axes = (2,)
 
     def layer_setup(self, bottom, top):
         p = self.param.detection_output_param
