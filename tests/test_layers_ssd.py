@@ -173,7 +173,7 @@ def test_priorbox_without_min_size_is_one_line_naming_the_layer():
 # ------------------------------------------------------------------ DetectionOutput
 def ref_detections(loc, conf, prior, num_classes, share=True, background=0, nms=0.45,
                    top_k=-1, keep_top_k=-1, threshold=None, code="CENTER_SIZE",
-                   in_target=False):
+                   in_target=False, clip=False):
     """The fork's DetectionOutput, box by box, in float32 scalars."""
     f = np.float32
     n = loc.shape[0]
@@ -217,6 +217,8 @@ def ref_detections(loc, conf, prior, num_classes, share=True, background=0, nms=
             if c == background:
                 continue
             boxes = [decode(pri[0, j], pri[1, j], lp[j, 0 if share else c]) for j in range(p)]
+            if clip:
+                boxes = [[min(max(v, f(0)), f(1)) for v in b] for b in boxes]
             cand = sorted((j for j in range(p) if cs[j, c] > thr), key=lambda j: (-cs[j, c], j))
             if top_k > -1:
                 cand = cand[:top_k]
@@ -263,6 +265,9 @@ DET_CASES = [
     ("share_location: false nms_param { nms_threshold: 0.4 } code_type: CENTER_SIZE "
      "keep_top_k: 7 background_label_id: -1", dict(share=False, nms=0.4, keep_top_k=7,
                                                    background=-1), 4),
+    # clip is OpenCV's field (the res10 face detector's prototxt sets it).
+    ("nms_param { nms_threshold: 0.45 top_k: 30 } code_type: CENTER_SIZE clip: true",
+     dict(nms=0.45, top_k=30, clip=True), 1),
 ]
 
 
@@ -277,6 +282,8 @@ def test_detection_output_matches_reference(params, ref, cl):
     want = ref_detections(loc, conf, prior, c, **ref)
     assert got.shape == (1, 1, len(want), 7)
     assert len(want) > 5
+    if ref.get("clip"):
+        assert np.any((want[:, 3:] == 0) | (want[:, 3:] == 1))
     np.testing.assert_array_equal(got[0, 0, :, :3], want[:, :3])
     np.testing.assert_allclose(got[0, 0, :, 3:], want[:, 3:], rtol=1e-6, atol=1e-7)
 

@@ -85,7 +85,8 @@ SSD_FACTS = {
         "save_output_param 5 optional message -", "code_type 6 optional enum CORNER",
         "keep_top_k 7 optional int32 -1", "variance_encoded_in_target 8 optional bool false",
         "confidence_threshold 9 optional float -", "visualize 10 optional bool false",
-        "visualize_threshold 11 optional float -", "save_file 12 optional string -"],
+        "visualize_threshold 11 optional float -", "save_file 12 optional string -",
+        "clip 1000 optional bool false"],
 }
 EXTENSIONS.update(SSD_FIELDS)
 EXTENSION_MESSAGES |= SSD_MESSAGES

@@ -107,6 +107,9 @@ def _detection_output(g, ctx):
     prior = g.node("Gather", [pri, _scalar(g, "i0", 0)], axis=0)
     var = g.node("Gather", [pri, _scalar(g, "i1", 1)], axis=0)
     boxes = _decode(g, layer, loc, prior, var)                              # [N, P, Cl, 4]
+    if layer.clip:
+        boxes = g.node("Clip", [boxes, _scalar(g, "zero_f", 0, np.float32),
+                                _scalar(g, "one_f", 1, np.float32)])
     conf = g.node("Reshape", [ctx.inputs[1], g.ints("conf_shape", [-1, p, c])])
     scores = g.node("Transpose", [conf], perm=[0, 2, 1])                    # [N, C, P]
     masked = scores

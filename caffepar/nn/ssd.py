@@ -292,7 +292,8 @@ class DetectionOutputLayer(Layer):
     priors (bottom 2): decode, per-class NMS, keep_top_k per image. The top is 1 x 1 x N x 7
     rows [image, label, score, xmin, ymin, xmax, ymax] ordered by image, label, then score;
     an image with no detection at all gives one row [image, -1, ...]. No files are written:
-    save_output_param is read and ignored."""
+    save_output_param is read and ignored. `clip` (OpenCV's field) clips the decoded boxes to
+    [0, 1] before NMS."""
 
     exact_bottoms = 3
     exact_tops = 1
@@ -307,6 +308,7 @@ class DetectionOutputLayer(Layer):
         self.num_loc_classes = 1 if p.share_location else self.num_classes
         self.background = p.background_label_id
         self.code_type = p.code_type
+        self.clip = p.clip
         self.variance_in_target = p.variance_encoded_in_target
         self.keep_top_k = p.keep_top_k
         self.confidence_threshold = (F32(p.confidence_threshold) if p.HasField("confidence_threshold")
@@ -352,6 +354,8 @@ class DetectionOutputLayer(Layer):
         prior_boxes = prior[0].reshape(priors, 4)
         variances = prior[1].reshape(priors, 4)
         boxes = decode_boxes(loc, prior_boxes, variances, self.code_type, self.variance_in_target)
+        if self.clip:
+            boxes = np.clip(boxes, F32(0), F32(1))
         sizes = box_sizes(boxes)
         rows = []
         for i in range(num):
