@@ -102,6 +102,22 @@ def test_detection_output_threshold_is_strict_in_both():
     np.testing.assert_array_equal(got[..., :3], want[..., :3])
 
 
+def test_keep_top_k_ties_across_classes_settle_as_caffepar():
+    """Classes 1 and 2 score the same priors alike: keep_top_k 5 cuts between a tied pair,
+    and both keep the lower label (the earlier row)."""
+    loc, _, prior = ssd_inputs(1, 12, 3, seed=5, spread=0.1)
+    conf = np.zeros((1, 12, 3), np.float32)
+    conf[0, :, 1] = conf[0, :, 2] = np.linspace(0.9, 0.35, 12, dtype=np.float32)
+    conf[0, :, 0] = 0.05
+    feed = {"loc": loc, "conf": conf.reshape(1, -1), "prior": prior}
+    net = run(detection_net(1, 12, 3, "nms_param { nms_threshold: 1 } keep_top_k: 5"), feed,
+              dtype=np.float32)
+    want = caffepar_run(net, feed)["y"]
+    assert want.shape == (1, 1, 5, 7) and list(want[0, 0, :, 1]) == [1, 1, 1, 2, 2]
+    got, = onnx_run(net_to_onnx(net), feed)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_adaptive_nms_is_refused_by_name():
     net = run(detection_net(1, 10, 3, "nms_param { eta: 0.9 }"), {}, dtype=np.float32)
     with pytest.raises(OnnxExportError, match=r'"l".*eta 0.9'):

@@ -6,9 +6,10 @@ onnx_export.CONVERTERS).
 - DetectionOutput decodes the boxes as the fork does (the width/height exponentials in double,
   as caffepar computes them), cuts each class to its top_k scores, runs ONNX
   NonMaxSuppression, keeps each image's keep_top_k best and writes Caffe's 1 x 1 x K x 7 rows
-  (a row [image, -1, ...] per image when nothing is found). Where scores tie, the order may
-  differ from Caffe's: at the top_k and keep_top_k cuts every box tying with the last one kept
-  is kept, and onnxruntime's NMS leaves equal scores in an order of its own. Boxes with
+  (a row [image, -1, ...] per image when nothing is found). Where scores tie, the result may
+  differ from Caffe's: at the top_k cut every box tying with the last one kept stays, and
+  onnxruntime's NMS visits equal scores of a class in an order of its own (Caffe: lowest
+  prior first). keep_top_k's ties are settled as caffepar's stable order settles them. Boxes with
   xmax < xmin (possible with code_type CORNER) count as empty in Caffe but not in ONNX's NMS.
   Adaptive NMS (eta < 1) has no ONNX form and is refused.
 """
@@ -178,25 +179,32 @@ def _detection_output(g, ctx):
 
 
 def _keep_top_k(g, keep_top_k, rows, image, score, num, neg_inf):
-    """The rows whose score is among their image's keep_top_k best (ties with the last one
-    kept stay)."""
+    """The rows among their image's keep_top_k best scores. ONNX's TopK breaks ties by the
+    lower index, and the rows come in Caffe's order (image, label, NMS order), so ties at the
+    cut are settled as caffepar's stable sort settles them."""
     m = g.node("Slice", [g.node("Shape", [score]), g.ints("s0", [0]), g.ints("e1", [1])])
     if keep_top_k == 0:
         return g.node("Slice", [rows, g.ints("s0", [0]), g.ints("e0", [0]), g.ints("a0", [0])])
-    # scores laid out per image: [N, M + 1], -inf where a row belongs to another image.
+    # Scores laid out per image: [N, M + 1], -inf where a row belongs to another image (the
+    # extra column keeps k >= 1 when nothing was selected).
     width = g.node("Add", [m, g.ints("one1", [1])])
     grid = g.node("Expand", [neg_inf, g.node("Concat", [num, width], axis=0)])
     pad = g.node("Concat", [score, neg_inf_1d(g, neg_inf)], axis=0)
     at = g.node("Concat", [image, g.ints("zero_i", [0])], axis=0)
     grid = g.node("ScatterElements", [grid, g.node("Unsqueeze", [at, g.ints("ax0", [0])]),
                                       g.node("Unsqueeze", [pad, g.ints("ax0", [0])])], axis=0)
-    # Row M (the pad) landed in image 0's column M as -inf: harmless.
     k = g.node("Min", [width, g.ints("keep", [keep_top_k])])
     best = g.node("TopK", [grid, k], axis=1)
-    g.nodes[-1].output.append(g.fresh("keep_top_k_index"))
-    last = g.node("Gather", [best, g.node("Sub", [k, g.ints("one2", [1])])], axis=1)  # [N, 1]
-    cut = g.node("Gather", [g.node("Squeeze", [last, g.ints("ax1", [1])]), image], axis=0)
-    keep = g.node("GreaterOrEqual", [score, cut])
+    columns = g.fresh("keep_top_k_index")
+    g.nodes[-1].output.append(columns)
+    # A pick is real where its value is finite (a -inf pick is another image's row or the pad).
+    real = g.node("Cast", [g.node("Not", [g.node("IsInf", [best], detect_positive=0)])], to=1)
+    picked = g.node("ScatterElements", [
+        g.node("Expand", [_scalar(g, "zero_f", 0, np.float32), width]),
+        g.node("Reshape", [columns, g.ints("flat", [-1])]),
+        g.node("Reshape", [real, g.ints("flat", [-1])])], axis=0, reduction="max")
+    keep = g.node("Greater", [g.node("Slice", [picked, g.ints("s0", [0]), m, g.ints("a0", [0])]),
+                              _scalar(g, "half", 0.5, np.float32)])
     return g.node("Compress", [rows, keep], axis=0)
 
 
