@@ -34,3 +34,17 @@ def test_a_type_this_build_lacks_is_reported_not_fatal(monkeypatch):
     row, = script.layer_rows(None, [])
     assert row["caffepar"] == "not in this build"
     assert row["opencv"].startswith("fails")
+
+
+def test_published_ssd_models_agree_with_opencv():
+    """MobileNet-SSD and the res10 face detector (random weights) where their prototxts are in
+    the cache: caffepar's detections are OpenCV's, and its ONNX export's are caffepar's."""
+    cache = script.cache_root()
+    names = [p.name for p in script.PUBLISHED if (cache / p.file).exists()
+             and p.name in ("MobileNet-SSD", "res10 SSD face detector")]
+    if not names:
+        pytest.skip(f"no published SSD prototxt in {cache} (the script's --fetch puts them there)")
+    for row in script.model_rows(cache, None, names):
+        assert row["caffepar"].startswith("runs"), row
+        assert row["opencv"].startswith("agrees"), row
+        assert row["caffepar_onnx"].startswith("agrees"), row

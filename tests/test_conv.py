@@ -588,3 +588,22 @@ def test_direct_engine(cs, dtype, tol, by_images, kernel_path, monkeypatch):
     close(dx, ref_conv_grads(dy, x, w, *args)[0], tol)
     yd = cm.deconv_forward(dd, ww, None, *args)
     close(yd, ref_deconv(dy, w, None, *args), tol)
+
+
+def test_input_smaller_than_kernel_is_measured_without_direct(tmp_path, monkeypatch,
+                                                              kernel_path):
+    """A 2x2 input under a padded 3x3 kernel (MobileNet-SSD's last layers): the direct engine,
+    whose dw needs an input at least as large as the dilated kernel, is not among the engines
+    measured, and the others give Caffe's result."""
+    from caffepar.nn import calibrate
+    monkeypatch.setenv("CAFFEPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "measure")
+    monkeypatch.setattr(calibrate, "_chosen", {})
+    cs = case(2, 8, (2, 2), 6, 3, 2, 1)
+    x, w, b, dy = make(cs)
+    args = cs[5:]
+    assert not direct.applicable(geometry.Geom(x.shape[2:], w.shape[2:], *args[:3]),
+                                 np.dtype(np.float32))
+    close(cm.conv_forward(x, w, b, *args), ref_conv(x, w, b, *args), 1e-10)
+    for got, want in zip(cm.conv_backward(dy, x, w, *args), ref_conv_grads(dy, x, w, *args)):
+        close(got, want, 1e-10)
