@@ -197,12 +197,13 @@ def _keep_top_k(g, keep_top_k, rows, image, score, num, neg_inf):
     best = g.node("TopK", [grid, k], axis=1)
     columns = g.fresh("keep_top_k_index")
     g.nodes[-1].output.append(columns)
-    # A pick is real where its value is finite (a -inf pick is another image's row or the pad).
-    real = g.node("Cast", [g.node("Not", [g.node("IsInf", [best], detect_positive=0)])], to=1)
+    # A pick is real where its value is finite (a -inf pick is another image's row or the
+    # pad). Real picks are distinct columns; the others all write 0 into the pad column M.
+    real = g.node("Not", [g.node("IsInf", [best], detect_positive=0)])
     picked = g.node("ScatterElements", [
         g.node("Expand", [_scalar(g, "zero_f", 0, np.float32), width]),
-        g.node("Reshape", [columns, g.ints("flat", [-1])]),
-        g.node("Reshape", [real, g.ints("flat", [-1])])], axis=0, reduction="max")
+        g.node("Reshape", [g.node("Where", [real, columns, m]), g.ints("flat", [-1])]),
+        g.node("Reshape", [g.node("Cast", [real], to=1), g.ints("flat", [-1])])], axis=0)
     keep = g.node("Greater", [g.node("Slice", [picked, g.ints("s0", [0]), m, g.ints("a0", [0])]),
                               _scalar(g, "half", 0.5, np.float32)])
     return g.node("Compress", [rows, keep], axis=0)
