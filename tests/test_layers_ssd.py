@@ -312,3 +312,34 @@ def test_detection_output_num_classes_mismatch_is_one_line_naming_the_layer():
     msg = str(e.value)
     assert 'layer "l" (DetectionOutput)' in msg and "num_classes (5)" in msg
     assert "10 priors x 5 classes = 50" in msg and "\n" not in msg
+
+
+SSD_BAD = {
+    "no_min_size": ('layer { name: "pb" type: "PriorBox" bottom: "f" bottom: "img" top: "p"\n'
+                    '  prior_box_param { aspect_ratio: 2 } }\n',
+                    'net.prototxt:3: error: layer "pb" (PriorBox): prior_box_param needs '
+                    "min_size (none given)"),
+    "num_classes": ('layer { name: "pb" type: "PriorBox" bottom: "f" bottom: "img" top: "p"\n'
+                    '  prior_box_param { min_size: 4 } }\n'
+                    'layer { name: "det" type: "DetectionOutput" bottom: "loc" bottom: "conf"\n'
+                    '  bottom: "p" top: "d" detection_output_param { num_classes: 21 } }\n',
+                    'net.prototxt:5: error: layer "det" (DetectionOutput): num_classes (21) does '
+                    'not match the bottoms: the confidence bottom "conf" has 18 values per '
+                    "image, 9 priors x 21 classes = 189 expected"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SSD_BAD))
+def test_bad_ssd_layers_are_one_line_from_the_cli(case, tmp_path, monkeypatch, capsys):
+    from caffepar.cli import main
+    text, message = SSD_BAD[case]
+    inputs = ('layer { name: "in" type: "Input" top: "f" top: "img" top: "loc" top: "conf"\n'
+              "  input_param { shape { dim: 1 dim: 2 dim: 3 dim: 3 } shape { dim: 1 dim: 3 "
+              "dim: 12 dim: 12 } shape { dim: 1 dim: 36 } shape { dim: 1 dim: 18 } } }\n")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "net.prototxt").write_text(inputs + text)
+    with pytest.raises(SystemExit) as e:
+        main(["time", "--model", "net.prototxt", "--iterations", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert err[0] == f"caffepar: {message}", err[0]
