@@ -42,6 +42,56 @@ EXTENSIONS = {
 EXTENSION_ENUMS = {"caffe.LayerParameter.ParallelMode"}
 EXTENSION_MESSAGES = {"caffe.CommParameter"}
 
+# ---- Fork fields: SSD (weiliu89/caffe, branch ssd), numbers as the fork gives them. ----
+SSD_FIELDS = {
+    ("caffe.LayerParameter", "permute_param"): 202,
+    ("caffe.LayerParameter", "prior_box_param"): 203,
+    ("caffe.LayerParameter", "detection_output_param"): 204,
+    ("caffe.LayerParameter", "norm_param"): 206,
+}
+SSD_MESSAGES = {"caffe.PermuteParameter", "caffe.PriorBoxParameter", "caffe.NormalizeParameter",
+                "caffe.NonMaximumSuppressionParameter", "caffe.SaveOutputParameter",
+                "caffe.ResizeParameter", "caffe.DetectionOutputParameter"}
+# The fork's facts for its messages: "field number label type default".
+SSD_FACTS = {
+    "PermuteParameter": ["order 1 repeated uint32 -"],
+    "PriorBoxParameter": [
+        "min_size 1 repeated float -", "max_size 2 repeated float -",
+        "aspect_ratio 3 repeated float -", "flip 4 optional bool true",
+        "clip 5 optional bool false", "variance 6 repeated float -",
+        "img_size 7 optional uint32 -", "img_h 8 optional uint32 -", "img_w 9 optional uint32 -",
+        "step 10 optional float -", "step_h 11 optional float -", "step_w 12 optional float -",
+        "offset 13 optional float 0.5"],
+    "NormalizeParameter": [
+        "across_spatial 1 optional bool true", "scale_filler 2 optional message -",
+        "channel_shared 3 optional bool true", "eps 4 optional float 1e-10"],
+    "NonMaximumSuppressionParameter": [
+        "nms_threshold 1 optional float 0.3", "top_k 2 optional int32 -",
+        "eta 3 optional float 1.0"],
+    "SaveOutputParameter": [
+        "output_directory 1 optional string -", "output_name_prefix 2 optional string -",
+        "output_format 3 optional string -", "label_map_file 4 optional string -",
+        "name_size_file 5 optional string -", "num_test_image 6 optional uint32 -",
+        "resize_param 7 optional message -"],
+    "ResizeParameter": [
+        "prob 1 optional float 1", "resize_mode 2 optional enum WARP",
+        "height 3 optional uint32 0", "width 4 optional uint32 0",
+        "pad_mode 5 optional enum CONSTANT", "pad_value 6 repeated float -",
+        "interp_mode 7 repeated enum -", "height_scale 8 optional uint32 0",
+        "width_scale 9 optional uint32 0"],
+    "DetectionOutputParameter": [
+        "num_classes 1 optional uint32 -", "share_location 2 optional bool true",
+        "background_label_id 3 optional int32 0", "nms_param 4 optional message -",
+        "save_output_param 5 optional message -", "code_type 6 optional enum CORNER",
+        "keep_top_k 7 optional int32 -1", "variance_encoded_in_target 8 optional bool false",
+        "confidence_threshold 9 optional float -", "visualize 10 optional bool false",
+        "visualize_threshold 11 optional float -", "save_file 12 optional string -",
+        "clip 1000 optional bool false"],
+}
+EXTENSIONS.update(SSD_FIELDS)
+EXTENSION_MESSAGES |= SSD_MESSAGES
+# ---- end of SSD fork fields ----
+
 # sha256 of the canonical listing (see _caffe_fingerprint) of everything in
 # the schema except EXTENSIONS / EXTENSION_ENUMS. It was taken when the schema
 # was verified field by field against BVLC Caffe's caffe.proto; a change here
@@ -285,6 +335,31 @@ def test_extension_field_numbers_and_types():
     assert comm.message_type.full_name == "caffe.CommParameter" and comm.has_presence
     standard = [f.number for f in solver.fields if (solver.full_name, f.name) not in EXTENSIONS]
     assert max(standard) == 42
+
+
+def test_ssd_fork_fields_are_the_forks():
+    names = {1: "double", 2: "float", 3: "int64", 4: "uint64", 5: "int32", 8: "bool",
+             9: "string", 11: "message", 13: "uint32", 14: "enum"}
+    for message, facts in SSD_FACTS.items():
+        desc = caffe_pb2.DESCRIPTOR.message_types_by_name[message]
+        got = []
+        for f in sorted(desc.fields, key=lambda f: f.number):
+            default = "-"
+            if f.has_default_value:
+                default = (f.enum_type.values_by_number[f.default_value].name
+                           if f.type == f.TYPE_ENUM else str(f.default_value).lower())
+                if f.type == f.TYPE_FLOAT:
+                    default = repr(float(struct.unpack("<f", struct.pack("<f", f.default_value))[0]))
+            got.append(f"{f.name} {f.number} {'repeated' if f.is_repeated else 'optional'} {names[f.type]} {default}")
+        want = []
+        for fact in facts:
+            name, number, label, kind, default = fact.split()
+            if kind == "float" and default != "-":
+                default = repr(float(struct.unpack("<f", struct.pack("<f", float(default)))[0]))
+            want.append(f"{name} {number} {label} {kind} {default}")
+        assert got == want, message
+    codes = caffe_pb2.PriorBoxParameter.CodeType
+    assert (codes.Value("CORNER"), codes.Value("CENTER_SIZE"), codes.Value("CORNER_SIZE")) == (1, 2, 3)
 
 
 def test_parallel_mode_round_trips():

@@ -618,6 +618,11 @@ CONVERTERS = {
 }
 """Caffe type string -> converter(graph, ctx) returning the ONNX names of the layer's tops."""
 
+# Fork layers' converters live beside this module, one module per fork family.
+from caffepar.convert.onnx_ssd import SSD_CONVERTERS  # noqa: E402
+
+CONVERTERS.update(SSD_CONVERTERS)
+
 _DATA_TYPES = {"Data", "ImageData", "HDF5Data", "MemoryData", "WindowData"}
 _LOSS_TYPES = {"SoftmaxWithLoss", "SigmoidCrossEntropyLoss", "EuclideanLoss", "HingeLoss",
                "InfogainLoss", "MultinomialLogisticLoss", "ContrastiveLoss", "Accuracy",
@@ -798,7 +803,11 @@ def _build(net, opset, name, probe=None):
             name_ = g.fresh(f"{o}_out") if o in input_names else o
             g.node("Identity", [current[o]], name_)
         oid = net.blob_names.index(o)
-        graph_outputs.append(_value_info(helper, name_, shapes[oid], probe[oid]))
+        # An axis whose size the data decide (DetectionOutput's row count) is left unnamed.
+        free = getattr(net.layers[last_writer[o]], "data_dependent_axes", ()) \
+            if o in last_writer else ()
+        probe_o = tuple(-1 if a in free else d for a, d in enumerate(probe[oid]))
+        graph_outputs.append(_value_info(helper, name_, shapes[oid], probe_o))
     graph = helper.make_graph(g.nodes, name or net.name or "caffe_net", graph_inputs,
                               graph_outputs, g.initializers)
     model = helper.make_model(graph, producer_name="caffepar",

@@ -1,7 +1,7 @@
 """The layer library. Each module registers its layers with `register`; importing this package
 imports them all, so the registry is complete."""
 from caffepar.nn import (common, data, inner_product, loss, neuron,  # noqa: F401
-                         normalization, pooling, python_layer, recurrent, vision,
+                         normalization, pooling, python_layer, recurrent, ssd, vision,
                          window_data)
 from caffepar.nn.base import LAYERS, Layer, layer_class, register
 

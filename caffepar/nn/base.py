@@ -31,8 +31,8 @@ def _known(type_name):
 
 def _spelling_of(type_name):
     """A registered type that `type_name` is a slip of (case, a letter or two), else None:
-    only near-identical names, so that a type caffepar lacks (DepthwiseConvolution,
-    Normalize) is not taken for another one."""
+    only near-identical names, so that a type caffepar lacks (a fork's, such as
+    DepthwiseConvolution) is not taken for another one."""
     lowered = {k.lower(): k for k in LAYERS}
     if type_name.lower() in lowered:
         return lowered[type_name.lower()]

@@ -1,0 +1,451 @@
+#!/usr/bin/env python
+"""Caffe fork layers and published fork models side by side: caffepar, OpenCV's dnn module (the
+reference), caffepar's ONNX export in onnxruntime, and caffe2onnx's export in onnxruntime.
+
+    python scripts/check_fork_models.py [--out results/fork_models] [--cache DIR] [--fetch]
+                                        [--caffe2onnx PYTHON] [--only NAME ...]
+
+Each fork layer type runs as a one-layer net (LAYER_CASES: one line per type), and each
+published model of PUBLISHED that is in the cache runs whole. The cache is
+`$CAFFEPAR_CACHE_DIR/fork_models` (else ~/.cache/caffepar/fork_models), outside the
+repository; `--fetch` downloads the prototxts there. Their caffemodels are not fetched (the
+public repositories keep them as large files, or not at all): every net runs with random
+weights, saved once as a .caffemodel that all four tools read. Random weights here are the
+fillers' values, BatchNorm statistics of mean 0 and variance 1, and the class-score
+convolutions (*_mbox_conf) times 4 for the 21-class MobileNet-SSD, so that some scores pass its
+threshold (not for the 2-class face detector, whose scores would then saturate at 1.0 and
+tie).
+
+Comparisons: dense outputs with rtol 1e-4 (atol 1e-5); detections (N x 7 rows) after sorting
+the rows, same count and rtol 1e-4 (atol 1e-5). OpenCV is `opencv-python-headless` 4.x (5.x
+has no Caffe reader), imported in this interpreter. caffe2onnx runs in the interpreter given by
+--caffe2onnx (it pins an old onnx; a separate venv with `pip install --no-deps caffe2onnx onnx
+onnxruntime protobuf` works, run with PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python for its old
+generated protobuf code); without it that column says it was not run. Writes OUT.csv and OUT.md.
+"""
+import argparse
+import csv
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RAW = "https://raw.githubusercontent.com/{repo}/{ref}/{path}"
+
+
+@dataclass
+class Published:
+    name: str
+    file: str
+    repo: str
+    ref: str
+    path: str
+    note: str = ""
+    conf_gain: float = 4.0
+
+
+PUBLISHED = [
+    Published("MobileNet-SSD", "MobileNetSSD_deploy.prototxt", "chuanqi305/MobileNet-SSD",
+              "master", "deploy.prototxt", "grouped (depthwise) Convolution, BatchNorm/Scale"),
+    Published("MobileNet-SSD, BN merged", "MobileNetSSD_voc_deploy.prototxt",
+              "chuanqi305/MobileNet-SSD", "master", "voc/MobileNetSSD_deploy.prototxt",
+              "the same net with BatchNorm folded into the convolutions"),
+    Published("res10 SSD face detector", "res10_300x300_ssd_deploy.prototxt", "opencv/opencv",
+              "4.x", "samples/dnn/face_detector/deploy.prototxt",
+              "ResNet-10 SSD; sets DetectionOutput's clip (an OpenCV field)", conf_gain=1.0),
+]
+
+
+@dataclass
+class LayerCase:
+    """A one-layer net: the layer's type and parameter text, its bottoms' shapes, and how to
+    make its inputs (None: standard normal)."""
+    type: str
+    params: str
+    bottoms: dict
+    make_inputs: object = None
+    detections: bool = False
+    note: str = ""
+
+
+def ssd_bottoms(rng, num=2, priors=50, classes=4):
+    """Location offsets, softmax scores and priors (corners in (0, 1)) as SSD's heads give."""
+    centers = rng.uniform(0.2, 0.8, (priors, 2))
+    sizes = rng.uniform(0.1, 0.4, (priors, 2))
+    prior = np.concatenate([centers - sizes / 2, centers + sizes / 2], axis=1).reshape(-1)
+    variance = np.tile([0.1, 0.1, 0.2, 0.2], priors)
+    logits = rng.standard_normal((num, priors, classes)) * 2
+    conf = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    return {"loc": (rng.standard_normal((num, priors * 4)) * 0.5).astype(np.float32),
+            "conf": conf.reshape(num, -1).astype(np.float32),
+            "prior": np.stack([prior, variance])[None].astype(np.float32)}
+
+
+# One line per fork layer type; a type this build does not register is reported as such.
+LAYER_CASES = [
+    LayerCase("Permute", "permute_param { order: 0 order: 2 order: 3 order: 1 }",
+              {"x": (2, 3, 4, 5)}),
+    LayerCase("Normalize", 'norm_param { across_spatial: false channel_shared: false '
+              'scale_filler { type: "gaussian" std: 5 } }', {"x": (2, 6, 5, 4)}),
+    LayerCase("Normalize", "norm_param { across_spatial: true channel_shared: true eps: 0.001 "
+              'scale_filler { type: "constant" value: 20 } }', {"x": (2, 6, 5, 4)},
+              note="the shared scale is a 0-axis blob, as the fork saves it; OpenCV cannot "
+                   "load that (it agrees when the blob is given shape (1))"),
+    LayerCase("PriorBox", "prior_box_param { min_size: 30 max_size: 60 aspect_ratio: 2 "
+              "aspect_ratio: 3 flip: true clip: false variance: 0.1 variance: 0.1 variance: 0.2 "
+              "variance: 0.2 step: 8 offset: 0.5 }", {"f": (1, 8, 19, 19), "img": (1, 3, 150, 150)}),
+    LayerCase("PriorBox", "prior_box_param { min_size: 60 aspect_ratio: 2 clip: true "
+              "variance: 0.1 }", {"f": (1, 8, 10, 10), "img": (1, 3, 300, 300)}),
+    LayerCase("DetectionOutput", "detection_output_param { num_classes: 4 share_location: true "
+              "background_label_id: 0 nms_param { nms_threshold: 0.45 top_k: 30 } "
+              "code_type: CENTER_SIZE keep_top_k: 25 confidence_threshold: 0.1 }",
+              {"loc": (2, 200), "conf": (2, 200), "prior": (1, 2, 200)}, ssd_bottoms, True),
+    LayerCase("DetectionOutput", "detection_output_param { num_classes: 4 share_location: true "
+              "background_label_id: 0 nms_param { nms_threshold: 0.3 } code_type: CORNER "
+              "keep_top_k: 40 confidence_threshold: 0.05 }",
+              {"loc": (2, 200), "conf": (2, 200), "prior": (1, 2, 200)},
+              lambda rng: {**ssd_bottoms(rng), "loc": (rng.standard_normal((2, 200)) * 0.05)
+                           .astype(np.float32)}, True),
+    # Mobile, segmentation and detection forks.
+    LayerCase("ConvolutionDepthwise", "convolution_param { num_output: 6 kernel_size: 3 pad: 1 "
+              'weight_filler { type: "msra" } }', {"x": (2, 6, 7, 7)}),
+    LayerCase("DepthwiseConvolution", "convolution_param { num_output: 6 group: 6 "
+              'kernel_size: 3 stride: 2 weight_filler { type: "msra" } }', {"x": (2, 6, 7, 7)}),
+    LayerCase("ReLU6", "", {"x": (2, 3, 4, 5)}, lambda rng: {
+        "x": (rng.standard_normal((2, 3, 4, 5)) * 6).astype(np.float32)}),
+    LayerCase("ShuffleChannel", "shuffle_channel_param { group: 3 }", {"x": (2, 6, 3, 4)}),
+    LayerCase("Interp", "interp_param { height: 9 width: 11 }", {"x": (1, 3, 5, 6)}),
+    LayerCase("Interp", "interp_param { zoom_factor: 2 }", {"x": (1, 3, 5, 6)}),
+    LayerCase("Upsample", "upsample_param { scale: 2 }", {"x": (1, 3, 5, 6)}),
+    LayerCase("ROIPooling", "roi_pooling_param { pooled_h: 3 pooled_w: 3 spatial_scale: 0.25 }",
+              {"x": (1, 4, 12, 12), "rois": (3, 5)}, lambda rng: {
+                  "x": rng.standard_normal((1, 4, 12, 12)).astype(np.float32),
+                  "rois": np.array([[0, 0, 0, 40, 40], [0, 8, 4, 30, 44], [0, 20, 20, 47, 47]],
+                                   np.float32)}),
+    LayerCase("Pooling", "pooling_param { pool: MAX kernel_size: 3 stride: 2 ceil_mode: false }",
+              {"x": (1, 3, 8, 8)}, note="ceil_mode: a fork's field of BVLC's Pooling"),
+]
+
+
+def cache_root(override=None):
+    if override:
+        return Path(override)
+    from caffepar.nn.native import cache_dir
+    return cache_dir() / "fork_models"
+
+
+def fetch(cache):
+    cache.mkdir(parents=True, exist_ok=True)
+    for p in PUBLISHED:
+        target = cache / p.file
+        if target.exists():
+            continue
+        url = RAW.format(repo=p.repo, ref=p.ref, path=p.path)
+        try:
+            with urllib.request.urlopen(url, timeout=30) as r:
+                target.write_bytes(r.read())
+            print(f"fetched {p.repo}/{p.path}")
+        except OSError as e:
+            print(f"could not fetch {p.repo}/{p.path}: {e}")
+
+
+# ------------------------------------------------------------------------- running the tools
+def layer_prototxt(case):
+    lines = ['name: "one_layer"']
+    for name, shape in case.bottoms.items():
+        lines.append(f'input: "{name}"')
+        lines.append("input_shape { " + " ".join(f"dim: {d}" for d in shape) + " }")
+    bottoms = " ".join(f'bottom: "{b}"' for b in case.bottoms)
+    lines.append(f'layer {{ name: "l" type: "{case.type}" {bottoms} top: "y" {case.params} }}')
+    return "\n".join(lines) + "\n"
+
+
+def random_weights(model, weights, seed=1, conf_gain=4.0):
+    """Save the net's random weights (see the module docstring) as a .caffemodel."""
+    import caffepar as caffe
+    caffe.set_random_seed(seed)
+    net = caffe.Net(str(model), caffe.TEST)
+    for name, layer in zip(net._layer_names, net.layers):
+        blobs = net.params.get(name, [])
+        if layer.type == "BatchNorm":
+            blobs[0].data[...], blobs[1].data[...], blobs[2].data[...] = 0, 1, 1
+        if layer.type == "Convolution" and name.endswith("mbox_conf"):
+            blobs[0].data[...] *= conf_gain
+    net.save(str(weights))
+
+
+def run_caffepar(model, weights, feeds, output):
+    import caffepar as caffe
+    net = caffe.Net(str(model), str(weights), caffe.TEST)
+    for name, value in feeds.items():
+        net.blobs[name].reshape(*value.shape)
+        net.blobs[name].data[...] = value
+    net.reshape()
+    return net.forward()[output].copy()
+
+
+def run_opencv(model, weights, feeds, output):
+    import cv2
+    net = (cv2.dnn.readNetFromCaffe(str(model), str(weights)) if weights
+           else cv2.dnn.readNetFromCaffe(str(model)))
+    for name, value in feeds.items():
+        net.setInput(np.ascontiguousarray(value), name)
+    return np.asarray(net.forward(output))
+
+
+def run_onnx(path, feeds):
+    import onnxruntime as ort
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    if set(names) <= set(feeds):
+        return session.run(None, {k: feeds[k] for k in names})[0]
+    # Another converter's own input names: the net's inputs in order.
+    return session.run(None, dict(zip(names, feeds.values())))[0]
+
+
+def run_caffepar_onnx(model, weights, feeds, out):
+    from caffepar.convert.onnx_export import export_onnx
+    export_onnx(model, weights, out)
+    return run_onnx(out, feeds)
+
+
+def run_caffe2onnx(python, model, weights, feeds, out, timeout=600):
+    env = dict(os.environ, PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION="python")
+    proc = subprocess.run([python, "-m", "caffe2onnx.convert", "--prototxt", str(model),
+                           "--caffemodel", str(weights), "--onnx", str(out)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0 or not Path(out).exists():
+        tail = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+        raise RuntimeError("conversion fails: " + (tail[-1] if tail else f"exit {proc.returncode}"))
+    try:
+        return run_onnx(out, feeds)
+    except Exception as e:  # onnxruntime's own exceptions
+        raise RuntimeError("converts; onnxruntime cannot run it: " + _first(e)) from None
+
+
+# ------------------------------------------------------------------------- comparing
+def sorted_rows(d):
+    rows = np.asarray(d, np.float64).reshape(-1, 7)
+    return rows[np.lexsort(rows.T[::-1])]
+
+
+def compare(got, want, detections):
+    """'agrees (...)' or 'differs (...)' for an output against caffepar's."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if detections:
+        g, w = sorted_rows(got), sorted_rows(want)
+        if g.shape != w.shape:
+            return f"differs: {len(g)} detections, caffepar {len(w)}"
+        diff = float(np.abs(g - w).max()) if g.size else 0.0
+        ok = np.allclose(g, w, rtol=1e-4, atol=1e-5)
+        return f"{'agrees' if ok else 'differs'}: {len(g)} detections, max abs diff {diff:.2g}"
+    if got.size != want.size:
+        return f"differs: shape {got.shape}, caffepar {want.shape}"
+    got = got.reshape(want.shape)
+    diff = float(np.abs(got - want).max())
+    ok = np.allclose(got, want, rtol=1e-4, atol=1e-5)
+    return f"{'agrees' if ok else 'differs'}: max abs diff {diff:.2g}"
+
+
+def _first(e):
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]
+
+
+def check(name, kind, model, feeds, output, detections, work, caffe2onnx, note="",
+          cv_output=None, conf_gain=4.0):
+    """One row: what each tool does with the net. OpenCV names outputs by layer
+    (`cv_output`, default the top's name)."""
+    from caffepar.errors import CaffeparError
+    row = {"item": name, "kind": kind, "note": note}
+    weights = work / "random.caffemodel"
+    try:
+        random_weights(model, weights, conf_gain=conf_gain)
+        ours = run_caffepar(model, weights, feeds, output)
+        row["caffepar"] = (f"runs: {len(sorted_rows(ours))} detections" if detections
+                           else f"runs: output {tuple(ours.shape)}")
+    except CaffeparError as e:
+        row["caffepar"] = "refuses: " + _first(e)
+        ours = None
+    for column, runner in (("opencv", lambda: run_opencv(model, weights, feeds,
+                                                          cv_output or output)),
+                           ("caffepar_onnx", lambda: run_caffepar_onnx(
+                               model, weights, feeds, work / "caffepar.onnx")),
+                           ("caffe2onnx", lambda: run_caffe2onnx(
+                               caffe2onnx, model, weights, feeds, work / "caffe2onnx.onnx"))):
+        if column == "caffe2onnx" and not caffe2onnx:
+            row[column] = "not run (no --caffe2onnx interpreter)"
+            continue
+        if ours is None and column == "caffepar_onnx":
+            row[column] = "-"
+            continue
+        if ours is None and not weights.exists():
+            if column != "opencv":
+                row[column] = "-"
+                continue
+            # caffepar could not build the net to save weights: OpenCV on the prototxt alone.
+            runner = lambda: run_opencv(model, None, feeds, cv_output or output)  # noqa: E731
+        try:
+            theirs = runner()
+        except Exception as e:  # each tool's own exceptions, reported as its answer
+            row[column] = ("refuses: " if column == "caffepar_onnx" else "fails: ") + _first(e)
+            continue
+        if ours is None:
+            row[column] = f"runs{'' if weights.exists() else ' (no weights)'}: output " \
+                f"{tuple(np.shape(theirs))}"
+        else:
+            row[column] = compare(theirs, ours, detections)
+    # Messages name files of the scratch folder: keep their names only.
+    return {k: v.replace(f"{work}{os.sep}", "") if isinstance(v, str) else v
+            for k, v in row.items()}
+
+
+def layer_rows(caffe2onnx, only):
+    from caffepar.nn import LAYERS
+    rng = np.random.default_rng(20)
+    rows = []
+    for i, case in enumerate(LAYER_CASES):
+        if only and case.type not in only:
+            continue
+        feeds = (case.make_inputs(rng) if case.make_inputs else
+                 {n: rng.standard_normal(s).astype(np.float32) for n, s in case.bottoms.items()})
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            model = work / "layer.prototxt"
+            model.write_text(layer_prototxt(case))
+            inner = case.params.split("{", 1)[1].strip(" }") if "{" in case.params else ""
+            label = f"{case.type} ({inner[:70]})" if inner else case.type
+            if case.type not in LAYERS:
+                row = {"item": label, "kind": "layer", "caffepar": "not in this build",
+                       "caffepar_onnx": "-", "note": case.note}
+                try:
+                    row["opencv"] = "runs (no weights): output " + str(
+                        tuple(np.shape(run_opencv(model, None, feeds, "l"))))
+                except Exception as e:  # OpenCV's own exceptions
+                    row["opencv"] = "fails (no weights): " + _first(e)
+                row["caffe2onnx"] = "-"
+            else:
+                row = check(label, "layer", model, feeds, "y", case.detections, work,
+                            caffe2onnx, case.note, cv_output="l")
+        print(f"[{i + 1}/{len(LAYER_CASES)}] {row['item']}: {row['caffepar']} | OpenCV "
+              f"{row['opencv']} | ONNX {row['caffepar_onnx']} | caffe2onnx {row['caffe2onnx']}",
+              flush=True)
+        rows.append(row)
+    return rows
+
+
+def model_rows(cache, caffe2onnx, only):
+    rows = []
+    for p in PUBLISHED:
+        if only and p.name not in only:
+            continue
+        path = cache / p.file
+        label = f"{p.name} ({p.repo}: {p.path})"
+        if not path.exists():
+            rows.append({"item": label, "kind": "model", "caffepar": "not in the cache "
+                         f"(run with --fetch, or put {p.path} at {p.file})", "opencv": "-",
+                         "caffepar_onnx": "-", "caffe2onnx": "-", "note": p.note})
+            continue
+        rng = np.random.default_rng(300)
+        feeds = {"data": rng.uniform(-1, 1, (1, 3, 300, 300)).astype(np.float32)}
+        with tempfile.TemporaryDirectory() as tmp:
+            row = check(label, "model", path, feeds, "detection_out", True, Path(tmp),
+                        caffe2onnx, p.note, conf_gain=p.conf_gain)
+            row["note"] = (p.note + "; " if p.note else "") + "random weights"
+        print(f"{row['item']}: {row['caffepar']} | OpenCV {row['opencv']} | ONNX "
+              f"{row['caffepar_onnx']} | caffe2onnx {row['caffe2onnx']}", flush=True)
+        rows.append(row)
+    return rows
+
+
+COLUMNS = ["item", "kind", "caffepar", "opencv", "caffepar_onnx", "caffe2onnx", "note"]
+HEADERS = ["item", "kind", "caffepar", "OpenCV dnn vs caffepar",
+           "caffepar's ONNX in onnxruntime vs caffepar", "caffe2onnx's ONNX in onnxruntime "
+           "vs caffepar", "note"]
+
+
+def cpu_name():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def versions(caffe2onnx):
+    out = [f"Python {platform.python_version()}", f"CPU {cpu_name()}"]
+    for mod in ("cv2", "onnxruntime", "onnx"):
+        try:
+            out.append(f"{mod} {__import__(mod).__version__}")
+        except ImportError:
+            out.append(f"{mod} not installed")
+    if caffe2onnx:
+        proc = subprocess.run([caffe2onnx, "-m", "pip", "show", "caffe2onnx"],
+                              capture_output=True, text=True)
+        version = next((ln.split()[1] for ln in proc.stdout.splitlines()
+                        if ln.startswith("Version:")), "?")
+        proc = subprocess.run([caffe2onnx, "-c", "import onnx; print(onnx.__version__)"],
+                              capture_output=True, text=True)
+        out.append(f"caffe2onnx {version} (beside onnx {proc.stdout.strip() or '?'}, with the "
+                   "pure-Python protobuf)")
+    return ", ".join(out)
+
+
+def write(out, rows, caffe2onnx):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{out}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: r.get(c, "") for c in COLUMNS})
+    lines = ["# Caffe fork layers and models: caffepar, OpenCV, caffepar's ONNX, caffe2onnx", "",
+             "Made by `scripts/check_fork_models.py` (its docstring says how each tool runs and "
+             "what the random weights are). Tools: " + versions(caffe2onnx) + ".", "",
+             "Published models are their prototxts with random weights (their caffemodels are "
+             "not fetched). Comparisons are against caffepar's output: dense outputs with rtol "
+             "1e-4 (atol 1e-5); detections sorted, same count, rtol 1e-4 (atol 1e-5).", "",
+             "caffe2onnx pins an onnx release that does not build on this Python; it was "
+             "installed without its dependencies beside the onnx named above, so an error in its "
+             "column may also come from that newer onnx (the empty `max_sizes` error is raised "
+             "by onnx's attribute helper). Its PriorBox and DetectionOutput nodes are custom "
+             "operators that onnxruntime refuses to load.", "",
+             "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(c, "")).replace("|", "/") for c in COLUMNS)
+                     + " |")
+    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}.csv and {out}.md")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "results" / "fork_models"))
+    ap.add_argument("--cache", help="folder of published prototxts (default: the cache)")
+    ap.add_argument("--fetch", action="store_true", help="download missing prototxts first")
+    ap.add_argument("--caffe2onnx", metavar="PYTHON",
+                    help="an interpreter with caffe2onnx installed")
+    ap.add_argument("--only", nargs="*", default=[], help="layer types or model names")
+    args = ap.parse_args()
+    cache = cache_root(args.cache)
+    if args.fetch:
+        fetch(cache)
+    rows = layer_rows(args.caffe2onnx, args.only) + model_rows(cache, args.caffe2onnx, args.only)
+    write(Path(args.out), rows, args.caffe2onnx)
+    bad = [r for r in rows if any(str(r.get(c, "")).startswith("differs")
+                                  for c in ("opencv", "caffepar_onnx"))]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""scripts/check_fork_models.py on the SSD layer types: caffepar agrees with OpenCV's dnn module
+(the independent reference) and with its own ONNX export in onnxruntime, one-layer net by
+one-layer net."""
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cv2", reason="OpenCV (opencv-python-headless 4.x) is the reference here; "
+                                  "it is not a caffepar dependency")
+pytest.importorskip("onnxruntime")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import check_fork_models as script  # noqa: E402
+
+SSD = ["Permute", "Normalize", "PriorBox", "DetectionOutput"]
+
+
+def test_ssd_layers_agree_with_opencv_and_onnxruntime():
+    rows = script.layer_rows(None, SSD)
+    assert {r["item"].split()[0] for r in rows} == set(SSD)
+    for row in rows:
+        assert row["caffepar"].startswith("runs"), row
+        assert row["caffepar_onnx"].startswith("agrees"), row
+        if "OpenCV cannot load" in row["note"]:
+            assert row["opencv"].startswith("fails"), row
+        else:
+            assert row["opencv"].startswith("agrees"), row
+
+
+def test_a_type_this_build_lacks_is_reported_not_fatal(monkeypatch):
+    monkeypatch.setattr(script, "LAYER_CASES", [script.LayerCase(
+        "NoSuchForkLayer", "", {"x": (1, 2, 3, 3)})])
+    row, = script.layer_rows(None, [])
+    assert row["caffepar"] == "not in this build"
+    assert row["opencv"].startswith("fails")
+
+
+def test_published_ssd_models_agree_with_opencv():
+    """MobileNet-SSD and the res10 face detector (random weights) where their prototxts are in
+    the cache: caffepar's detections are OpenCV's, and its ONNX export's are caffepar's."""
+    cache = script.cache_root()
+    names = [p.name for p in script.PUBLISHED if (cache / p.file).exists()
+             and p.name in ("MobileNet-SSD", "res10 SSD face detector")]
+    if not names:
+        pytest.skip(f"no published SSD prototxt in {cache} (the script's --fetch puts them there)")
+    for row in script.model_rows(cache, None, names):
+        assert row["caffepar"].startswith("runs"), row
+        assert row["opencv"].startswith("agrees"), row
+        assert row["caffepar_onnx"].startswith("agrees"), row
