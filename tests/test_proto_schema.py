@@ -42,6 +42,20 @@ EXTENSIONS = {
 EXTENSION_ENUMS = {"caffe.LayerParameter.ParallelMode"}
 EXTENSION_MESSAGES = {"caffe.CommParameter"}
 
+# Fields of Caffe's forks: mobile, segmentation and detection layers (proto/README.md).
+FORK_FIELDS_MOBILE_SEGMENTATION_DETECTION = {
+    ("caffe.LayerParameter", "upsample_param"): 149,
+    ("caffe.LayerParameter", "shuffle_channel_param"): 164,
+    ("caffe.LayerParameter", "interp_param"): 2143,
+    ("caffe.LayerParameter", "psroi_pooling_param"): 10001,
+    ("caffe.LayerParameter", "roi_pooling_param"): 8266711,
+    ("caffe.PoolingParameter", "ceil_mode"): 1013,
+}
+EXTENSIONS.update(FORK_FIELDS_MOBILE_SEGMENTATION_DETECTION)
+EXTENSION_MESSAGES |= {"caffe.ShuffleChannelParameter", "caffe.InterpParameter",
+                       "caffe.UpsampleParameter", "caffe.ROIPoolingParameter",
+                       "caffe.PSROIPoolingParameter"}
+
 # sha256 of the canonical listing (see _caffe_fingerprint) of everything in
 # the schema except EXTENSIONS / EXTENSION_ENUMS. It was taken when the schema
 # was verified field by field against BVLC Caffe's caffe.proto; a change here

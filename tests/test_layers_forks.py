@@ -1,0 +1,334 @@
+"""Layers of Caffe's forks (mobile, segmentation, detection): forward against loops written
+from each fork's definition, backward by Caffe's gradient checker (float64), and one-line
+errors naming the layer."""
+import re
+
+import numpy as np
+import pytest
+
+from caffepar.errors import CaffeparError
+from caffepar.graph.net import Net, TEST
+from caffepar.proto import caffe_pb2
+from caffepar.proto.text import parse_text
+from gradcheck import check_net_gradients
+
+RNG = np.random.default_rng(20)
+
+
+def _inputs(*shapes):
+    return "\n".join(
+        f'layer {{ name: "in{i}" type: "Input" top: "{name}" input_param {{ shape {{ '
+        + " ".join(f"dim: {d}" for d in shape) + " } } }"
+        for i, (name, shape) in enumerate(shapes))
+
+
+def _net(layer, *shapes):
+    return f"force_backward: true\n{_inputs(*shapes)}\nlayer {{ name: \"l\" {layer} }}"
+
+
+def _forward(text, inputs, dtype=np.float64):
+    net = Net(parse_text(text, caffe_pb2.NetParameter()), phase=TEST, dtype=dtype)
+    for name, value in inputs.items():
+        net.blobs[name].data[...] = value
+    net.forward_from_to()
+    return net
+
+
+def _spread(shape):
+    """Distinct values far apart (no ties or near-ties for max pooling's finite differences)."""
+    n = int(np.prod(shape))
+    return (RNG.permutation(n) * 0.1 - n * 0.05).reshape(shape)
+
+
+# ------------------------------------------------------------------ mobile
+def _depthwise_ref(x, w, b, stride, pad):
+    n, c, h, wd = x.shape
+    k = w.shape[-1]
+    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    oh, ow = (h + 2 * pad - k) // stride + 1, (wd + 2 * pad - k) // stride + 1
+    y = np.zeros((n, c, oh, ow))
+    for i in range(oh):
+        for j in range(ow):
+            win = xp[:, :, i * stride:i * stride + k, j * stride:j * stride + k]
+            y[:, :, i, j] = np.einsum("ncab,cab->nc", win, w[:, 0]) + b
+    return y
+
+
+@pytest.mark.parametrize("layer_type,extra", [
+    ("ConvolutionDepthwise", ""),
+    ("ConvolutionDepthwise", "num_output: 3 group: 3"),
+    ("DepthwiseConvolution", "num_output: 3"),
+    ("DepthwiseConvolution", "num_output: 3 group: 3"),
+])
+def test_depthwise_forward_and_gradients(layer_type, extra):
+    text = _net(f'type: "{layer_type}" bottom: "x" top: "y" convolution_param {{ {extra} '
+                'kernel_size: 3 stride: 2 pad: 1 weight_filler { type: "gaussian" std: 0.5 } '
+                'bias_filler { type: "gaussian" std: 0.5 } }', ("x", (2, 3, 5, 5)))
+    x = RNG.standard_normal((2, 3, 5, 5))
+    net = _forward(text, {"x": x})
+    w, b = net.params["l"][0].data, net.params["l"][1].data
+    assert w.shape == (3, 1, 3, 3)
+    np.testing.assert_allclose(net.blobs["y"].data, _depthwise_ref(x, w, b, 2, 1), rtol=1e-12)
+    check_net_gradients(text, {"x": x})
+
+
+def test_depthwise_refuses_other_group_or_outputs():
+    for layer in ('type: "ConvolutionDepthwise" convolution_param { num_output: 6 kernel_size: 3 }',
+                  'type: "DepthwiseConvolution" convolution_param { num_output: 3 group: 1 '
+                  'kernel_size: 3 }'):
+        with pytest.raises(CaffeparError, match=r'layer "l".*(num_output 6|group 1)'):
+            _forward(_net(layer + ' bottom: "x" top: "y"', ("x", (1, 3, 4, 4))), {})
+
+
+def test_relu6():
+    x = RNG.uniform(-3, 9, (2, 3, 4, 4))
+    x[np.abs(x) < 0.05] = 0.5
+    x[np.abs(x - 6) < 0.05] = 5.5
+    text = _net('type: "ReLU6" bottom: "x" top: "y"', ("x", x.shape))
+    np.testing.assert_array_equal(_forward(text, {"x": x}).blobs["y"].data,
+                                  np.minimum(np.maximum(x, 0), 6))
+    check_net_gradients(text, {"x": x})
+
+
+def test_shuffle_channel():
+    x = RNG.standard_normal((2, 6, 3, 2))
+    text = _net('type: "ShuffleChannel" bottom: "x" top: "y" shuffle_channel_param { group: 2 }',
+                ("x", x.shape))
+    y = _forward(text, {"x": x}).blobs["y"].data
+    group, per = 2, 3
+    for i in range(group):          # ShuffleNet's Resize_cpu: channel i*per + j -> j*group + i
+        for j in range(per):
+            np.testing.assert_array_equal(y[:, j * group + i], x[:, i * per + j])
+    check_net_gradients(text, {"x": x})
+    with pytest.raises(CaffeparError, match=r'layer "l".*divisible by group \(4\)'):
+        _forward(_net('type: "ShuffleChannel" bottom: "x" top: "y" '
+                      'shuffle_channel_param { group: 4 }', ("x", x.shape)), {})
+
+
+# ------------------------------------------------------------------ segmentation
+def _interp_ref(x, crop, h2, w2):
+    """DeepLab's caffe_cpu_interp2, pixel by pixel (float32 source positions)."""
+    y0, x0, h1, w1 = crop
+    out = np.zeros(x.shape[:2] + (h2, w2))
+    if (h1, w1) == (h2, w2):
+        return x[:, :, y0:y0 + h1, x0:x0 + w1].copy()
+    rh = np.float32(h1 - 1) / np.float32(h2 - 1) if h2 > 1 else np.float32(0)
+    rw = np.float32(w1 - 1) / np.float32(w2 - 1) if w2 > 1 else np.float32(0)
+    for i in range(h2):
+        hr = np.float32(rh * np.float32(i))
+        hi = int(hr)
+        hp = 1 if hi < h1 - 1 else 0
+        l1 = float(hr - np.float32(hi))
+        for j in range(w2):
+            wr = np.float32(rw * np.float32(j))
+            wi = int(wr)
+            wp = 1 if wi < w1 - 1 else 0
+            m1 = float(wr - np.float32(wi))
+            p = x[:, :, y0 + hi:, x0 + wi:]
+            out[:, :, i, j] = ((1 - l1) * ((1 - m1) * p[:, :, 0, 0] + m1 * p[:, :, 0, wp])
+                               + l1 * ((1 - m1) * p[:, :, hp, 0] + m1 * p[:, :, hp, wp]))
+    return out
+
+
+@pytest.mark.parametrize("param,shape,out", [
+    ("zoom_factor: 2", (1, 2, 4, 3), (7, 5)),
+    ("shrink_factor: 2", (1, 2, 5, 6), (3, 3)),
+    ("zoom_factor: 3 shrink_factor: 2", (1, 1, 5, 5), (7, 7)),
+    ("height: 6 width: 4", (2, 2, 3, 5), (6, 4)),
+    ("zoom_factor: 2 pad_beg: -1 pad_end: -1", (1, 2, 6, 5), (7, 5)),
+])
+def test_interp(param, shape, out):
+    text = _net(f'type: "Interp" bottom: "x" top: "y" interp_param {{ {param} }}',
+                ("x", shape))
+    x = RNG.standard_normal(shape)
+    y = _forward(text, {"x": x}).blobs["y"].data
+    assert y.shape[2:] == out
+    pad = -int(param.split("pad_beg: ")[1].split()[0]) if "pad_beg" in param else 0
+    crop = (pad, pad, shape[2] - 2 * pad, shape[3] - 2 * pad)
+    np.testing.assert_allclose(y, _interp_ref(x, crop, *out), rtol=1e-6, atol=1e-12)
+    check_net_gradients(text, {"x": x})
+
+
+def test_interp_size_of_second_bottom():
+    text = _net('type: "Interp" bottom: "x" bottom: "ref" top: "y"',
+                ("x", (1, 2, 3, 3)), ("ref", (1, 1, 5, 4)))
+    x = RNG.standard_normal((1, 2, 3, 3))
+    y = _forward(text, {"x": x}).blobs["y"].data
+    np.testing.assert_allclose(y, _interp_ref(x, (0, 0, 3, 3), 5, 4), rtol=1e-6)
+
+
+def _segnet_mask(n, c, h, w, scale=2):
+    """A max-pooling mask: one position in each scale x scale cell of the (h*s, w*s) plane."""
+    rows = np.arange(h)[:, None] * scale + RNG.integers(0, scale, (n, c, h, w))
+    cols = np.arange(w)[None, :] * scale + RNG.integers(0, scale, (n, c, h, w))
+    return (rows * (w * scale) + cols).astype(np.float64)
+
+
+def test_upsample_segnet_with_pooling_mask():
+    """Unpooling a max pooling's output by its mask puts each max back where it was."""
+    x = _spread((2, 3, 6, 4))
+    text = (_inputs(("x", x.shape)) + """
+      layer { name: "pool" type: "Pooling" bottom: "x" top: "p" top: "mask"
+              pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+      layer { name: "up" type: "Upsample" bottom: "p" bottom: "mask" top: "y"
+              upsample_param { scale: 2 } }""")
+    y = _forward(text, {"x": x}).blobs["y"].data
+    cells = x.reshape(2, 3, 3, 2, 2, 2)
+    is_max = cells == cells.max(axis=(3, 5), keepdims=True)
+    np.testing.assert_array_equal(y, np.where(is_max.reshape(x.shape), x, 0))
+
+
+@pytest.mark.parametrize("param,out", [("scale: 2", (6, 4)), ("", (6, 4)),
+                                       ("upsample_h: 5 upsample_w: 4", (5, 4)),
+                                       ("scale: 2 pad_out_h: true", (5, 4))])
+def test_upsample_segnet_gradients(param, out):
+    mask = _segnet_mask(2, 2, 3, 2)
+    mask[..., -1, :] -= np.where(mask[..., -1, :] >= out[0] * 4, 4, 0)
+    text = _net(f'type: "Upsample" bottom: "x" bottom: "mask" top: "y" upsample_param {{ {param} }}',
+                ("x", (2, 2, 3, 2)), ("mask", (2, 2, 3, 2)))
+    x = RNG.standard_normal((2, 2, 3, 2))
+    net = _forward(text, {"x": x, "mask": mask})
+    y = net.blobs["y"].data
+    assert y.shape == (2, 2) + out
+    flat = y.reshape(2, 2, -1)
+    np.testing.assert_array_equal(np.take_along_axis(flat, mask.reshape(2, 2, -1).astype(int), 2),
+                                  x.reshape(2, 2, -1))
+    assert np.count_nonzero(flat) == np.count_nonzero(x)
+    check_net_gradients(text, {"x": x, "mask": mask}, skip_bottoms=("mask",))
+
+
+def test_upsample_yolo_nearest():
+    x = RNG.standard_normal((1, 2, 3, 2))
+    text = _net('type: "Upsample" bottom: "x" top: "y" upsample_param { scale: 3 }',
+                ("x", x.shape))
+    y = _forward(text, {"x": x}).blobs["y"].data
+    np.testing.assert_array_equal(y, x.repeat(3, axis=2).repeat(3, axis=3))
+    check_net_gradients(text, {"x": x})
+
+
+# ------------------------------------------------------------------ detection
+def _c_round(v):
+    return np.sign(v) * np.floor(np.abs(v) + 0.5)
+
+
+def _roi_pool_ref(x, rois, ph_, pw_, scale):
+    """Fast R-CNN's ROIPoolingLayer::Forward_cpu, element by element."""
+    n, c, h, w = x.shape
+    y = np.zeros((len(rois), c, ph_, pw_))
+    for r, roi in enumerate(rois):
+        b = int(roi[0])
+        sw, sh, ew, eh = (int(_c_round(v * scale)) for v in roi[1:])
+        rh, rw = max(eh - sh + 1, 1), max(ew - sw + 1, 1)
+        for i in range(ph_):
+            for j in range(pw_):
+                h0 = min(max(int(np.floor(i * rh / ph_)) + sh, 0), h)
+                h1 = min(max(int(np.ceil((i + 1) * rh / ph_)) + sh, 0), h)
+                w0 = min(max(int(np.floor(j * rw / pw_)) + sw, 0), w)
+                w1 = min(max(int(np.ceil((j + 1) * rw / pw_)) + sw, 0), w)
+                if h1 > h0 and w1 > w0:
+                    y[r, :, i, j] = x[b, :, h0:h1, w0:w1].max(axis=(1, 2))
+    return y
+
+
+ROIS = np.array([[0, 0, 0, 15, 15], [1, 4, 2, 13, 9], [0, 6, 6, 6, 7], [1, 10, 12, 30, 30],
+                 [0, 9, 9, 3, 3]], np.float64)
+
+
+def test_roi_pooling():
+    x = _spread((2, 2, 8, 8))
+    text = _net('type: "ROIPooling" bottom: "x" bottom: "rois" top: "y" '
+                'roi_pooling_param { pooled_h: 3 pooled_w: 2 spatial_scale: 0.5 }',
+                ("x", x.shape), ("rois", ROIS.shape))
+    y = _forward(text, {"x": x, "rois": ROIS}).blobs["y"].data
+    np.testing.assert_array_equal(y, _roi_pool_ref(x, ROIS, 3, 2, 0.5))
+    # The reversed last region passes no gradient, as in the fork: checked on the others.
+    check_net_gradients(text.replace("dim: 5 dim: 5", "dim: 4 dim: 5"),
+                        {"x": x, "rois": ROIS[:4]}, skip_bottoms=("rois",))
+
+
+def _psroi_ref(x, rois, dim, g, scale):
+    """R-FCN's PSROIPoolingForward, element by element."""
+    n, c, h, w = x.shape
+    y = np.zeros((len(rois), dim, g, g))
+    for r, roi in enumerate(rois):
+        b = int(roi[0])
+        sw, sh = _c_round(roi[1]) * scale, _c_round(roi[2]) * scale
+        ew, eh = (_c_round(roi[3]) + 1) * scale, (_c_round(roi[4]) + 1) * scale
+        bh, bw = max(eh - sh, 0.1) / g, max(ew - sw, 0.1) / g
+        for k in range(dim):
+            for i in range(g):
+                for j in range(g):
+                    h0 = min(max(int(np.floor(i * bh + sh)), 0), h)
+                    h1 = min(max(int(np.ceil((i + 1) * bh + sh)), 0), h)
+                    w0 = min(max(int(np.floor(j * bw + sw)), 0), w)
+                    w1 = min(max(int(np.ceil((j + 1) * bw + sw)), 0), w)
+                    if h1 > h0 and w1 > w0:
+                        y[r, k, i, j] = x[b, (k * g + i) * g + j, h0:h1, w0:w1].mean()
+    return y
+
+
+def test_psroi_pooling():
+    x = RNG.standard_normal((2, 8, 6, 6))
+    text = _net('type: "PSROIPooling" bottom: "x" bottom: "rois" top: "y" '
+                'psroi_pooling_param { spatial_scale: 0.5 output_dim: 2 group_size: 2 }',
+                ("x", x.shape), ("rois", ROIS.shape))
+    y = _forward(text, {"x": x, "rois": ROIS}).blobs["y"].data
+    np.testing.assert_allclose(y, _psroi_ref(x, ROIS, 2, 2, 0.5), rtol=1e-12)
+    check_net_gradients(text, {"x": x, "rois": ROIS}, skip_bottoms=("rois",))
+
+
+# ------------------------------------------------------------------ pooling's ceil_mode
+@pytest.mark.parametrize("field,size", [("ceil_mode: false", 2), ("ceil_mode: true", 3),
+                                        ("round_mode: FLOOR", 2), ("", 3)])
+def test_pooling_ceil_mode(field, size):
+    text = _net(f'type: "Pooling" bottom: "x" top: "y" pooling_param {{ pool: MAX '
+                f'kernel_size: 2 stride: 2 {field} }}', ("x", (1, 1, 5, 5)))
+    x = _spread((1, 1, 5, 5))
+    y = _forward(text, {"x": x}).blobs["y"].data
+    assert y.shape == (1, 1, size, size)
+    np.testing.assert_array_equal(y[0, 0, :2, :2], x[0, 0, :4, :4].reshape(2, 2, 2, 2)
+                                  .max(axis=(1, 3)))
+
+
+# ------------------------------------------------------------------ one-line errors
+@pytest.mark.parametrize("layer,shapes,expected", [
+    ('type: "Interp" bottom: "x" top: "y"', [("x", (1, 1, 4, 4))],
+     "gives no output size: set zoom_factor, shrink_factor, height and width"),
+    ('type: "Interp" bottom: "x" top: "y" interp_param { zoom_factor: 2 pad_beg: 1 }',
+     [("x", (1, 1, 4, 4))], "pad_beg and pad_end must be <= 0"),
+    ('type: "Upsample" bottom: "x" top: "y" upsample_param { upsample_h: 8 upsample_w: 8 }',
+     [("x", (1, 1, 4, 4))], "upsample_h, upsample_w apply only to SegNet's form"),
+    ('type: "Upsample" bottom: "x" bottom: "m" top: "y" upsample_param { scale: 3 '
+     'pad_out_h: true }', [("x", (1, 1, 4, 4)), ("m", (1, 1, 4, 4))],
+     "pad_out_h needs scale_h 2, got 3"),
+    ('type: "Upsample" bottom: "x" bottom: "m" top: "y"', [("x", (1, 1, 4, 4)),
+                                                          ("m", (1, 1, 4, 3))],
+     "the mask bottom must have the shape of the data bottom"),
+    ('type: "ROIPooling" bottom: "x" top: "y" roi_pooling_param { pooled_h: 2 pooled_w: 2 }',
+     [("x", (1, 1, 4, 4))], "takes 2 bottoms, the features and the regions of interest"),
+    ('type: "ROIPooling" bottom: "x" bottom: "r" top: "y"', [("x", (1, 1, 4, 4)),
+                                                            ("r", (1, 5))],
+     "pooled_h must be > 0, got 0"),
+    ('type: "PSROIPooling" bottom: "x" bottom: "r" top: "y" psroi_pooling_param { '
+     'spatial_scale: 1 output_dim: 2 group_size: 2 }', [("x", (1, 6, 4, 4)), ("r", (1, 5))],
+     r"input channels \(6\) must be output_dim x group_size\^2"),
+    ('type: "PSROIPooling" bottom: "x" bottom: "r" top: "y" psroi_pooling_param { '
+     'output_dim: 2 group_size: 2 }', [("x", (1, 8, 4, 4)), ("r", (1, 5))],
+     "psroi_pooling_param.spatial_scale is required"),
+    ('type: "Pooling" bottom: "x" top: "y" pooling_param { kernel_size: 2 ceil_mode: false '
+     'round_mode: FLOOR }', [("x", (1, 1, 4, 4))], "sets both ceil_mode"),
+])
+def test_fork_layer_errors_name_the_layer(layer, shapes, expected):
+    with pytest.raises(CaffeparError) as info:
+        _forward(_net(layer, *shapes), {})
+    message = str(info.value)
+    assert "\n" not in message.split(" hint:")[0]
+    assert 'layer "l"' in message
+    assert re.search(expected, message), message
+
+
+def test_upsample_mask_out_of_range():
+    text = _net('type: "Upsample" bottom: "x" bottom: "m" top: "y" upsample_param { scale: 2 }',
+                ("x", (1, 1, 2, 2)), ("m", (1, 1, 2, 2)))
+    with pytest.raises(CaffeparError, match=r'layer "l".*mask index 99 is outside the 4x4 top'):
+        _forward(text, {"m": np.full((1, 1, 2, 2), 99.0)})
