@@ -332,3 +332,40 @@ def test_upsample_mask_out_of_range():
                 ("x", (1, 1, 2, 2)), ("m", (1, 1, 2, 2)))
     with pytest.raises(CaffeparError, match=r'layer "l".*mask index 99 is outside the 4x4 top'):
         _forward(text, {"m": np.full((1, 1, 2, 2), 99.0)})
+
+
+# ------------------------------------------------------------------ fork .caffemodel fields
+def test_caffemodel_fields_numbered_as_in_the_forks(tmp_path):
+    """DeepLab writes interp_param as 143 and SegNet upsample_param as 137 (BVLC's input_param
+    and embed_param): read back by the layer's type, every value intact."""
+    from caffepar.io.weights import _length_delimited, read_caffemodel
+
+    def layer(name, type_name, number, param):
+        head = caffe_pb2.LayerParameter(name=name, type=type_name).SerializeToString()
+        return _length_delimited(100, head + _length_delimited(number, param.SerializeToString()))
+
+    interp = caffe_pb2.InterpParameter(zoom_factor=2, pad_beg=-1, pad_end=-1)
+    upsample = caffe_pb2.UpsampleParameter(scale_h=2, scale_w=3, pad_out_h=True, upsample_w=7)
+    shape = caffe_pb2.InputParameter()
+    shape.shape.add(dim=[1, 2, 3, 4])
+    blob = caffe_pb2.BlobProto(data=[1.0, 2.0])
+    blob.shape.dim.append(2)
+    conv = caffe_pb2.LayerParameter(name="c", type="Convolution")
+    conv.blobs.append(blob)
+    path = tmp_path / "fork.caffemodel"
+    path.write_bytes(layer("in", "Input", 143, shape) + layer("i", "Interp", 143, interp)
+                     + layer("u", "Upsample", 137, upsample)
+                     + _length_delimited(100, conv.SerializeToString()))
+    model = read_caffemodel(path)
+    by_name = {lp.name: lp for lp in model.net_param.layer}
+    assert by_name["i"].interp_param == interp and not by_name["i"].HasField("input_param")
+    assert by_name["u"].upsample_param == upsample and not by_name["u"].HasField("embed_param")
+    assert by_name["in"].input_param == shape
+    assert model.by_name()["c"][0][0].tolist() == [1.0, 2.0]
+
+
+def test_unknown_fork_type_names_its_fork():
+    from caffepar.nn import layer_class
+    with pytest.raises(CaffeparError) as info:
+        layer_class("Mish", "m", 3, "net.prototxt")
+    assert "darknet2caffe" in str(info.value) and "unknown layer type \"Mish\"" in str(info.value)
