@@ -580,6 +580,89 @@ def _argmax(g, ctx):
     return [g.node("Cast", [idx], ctx.outs[0], to=1)]
 
 
+# ------------------------------------------------------------------------ Caffe forks' layers
+def _relu6(g, ctx):
+    return [g.node("Clip", [ctx.inputs[0], g.const("min", np.array(0, np.float32)),
+                            g.const("max", np.array(6, np.float32))], ctx.outs[0])]
+
+
+def _shuffle_channel(g, ctx):
+    x, group = ctx.inputs[0], ctx.layer.group
+    c = ctx.bottom_shapes[0][1]
+    grouped = g.node("Reshape", [x, g.ints("grouped", [0, group, c // group, -1])])
+    moved = g.node("Transpose", [grouped], perm=[0, 2, 1, 3])
+    return [g.node("Reshape", [moved, g.node("Shape", [x])], ctx.outs[0])]
+
+
+def _sizes(g, ctx, spatial):
+    """Resize/MaxUnpool's output shape: the bottom's batch and channels (free or not) and the
+    given spatial sizes (a tensor of two int64, or a list)."""
+    head = g.node("Slice", [g.node("Shape", [ctx.inputs[0]]), g.ints("first", [0]),
+                            g.ints("second", [2])])
+    tail = spatial if isinstance(spatial, str) else g.ints("spatial", spatial)
+    return g.node("Concat", [head, tail], axis=0)
+
+
+def _interp(g, ctx):
+    """DeepLab's Interp is bilinear with corners aligned: Resize linear, align_corners, after
+    Slice for the (negative) pads."""
+    layer, x = ctx.layer, ctx.inputs[0]
+    if len(ctx.inputs) == 2:
+        spatial = g.node("Slice", [g.node("Shape", [ctx.inputs[1]]), g.ints("from", [2]),
+                                   g.ints("to", [4])])
+    else:
+        if {2, 3} & set(ctx.free_axes()):
+            raise ctx.error("Interp's output size follows a free height or width by its zoom "
+                            "or shrink rule; export with a fixed size")
+        spatial = [layer.h_out, layer.w_out]
+    if layer.pad_beg or layer.pad_end:
+        h, w = ctx.bottom_shapes[0][2:]
+        o = -layer.pad_beg
+        x = g.node("Slice", [x, g.ints("starts", [o, o]),
+                             g.ints("ends", [o + layer.h_in, o + layer.w_in]),
+                             g.ints("axes", [2, 3])])
+    return [g.node("Resize", [x, "", "", _sizes(g, ctx, spatial)], ctx.outs[0], mode="linear",
+                   coordinate_transformation_mode="align_corners")]
+
+
+def _upsample(g, ctx):
+    layer, x = ctx.layer, ctx.inputs[0]
+    if not layer.unpool:        # the YOLO ports' nearest-neighbour form
+        s = float(layer.scale)
+        return [g.node("Resize", [x, "", g.const("scales", [1, 1, s, s])], ctx.outs[0],
+                       mode="nearest", coordinate_transformation_mode="asymmetric",
+                       nearest_mode="floor")]
+    # SegNet's: Caffe's mask holds indices within each (H, W) plane, ONNX's MaxUnpool indices
+    # into the whole tensor, so each plane's offset is added.
+    c = ctx.bottom_shapes[0][1]
+    oh, ow = ctx.top_shapes[0][2:]
+    if {2, 3} & set(ctx.free_axes()):
+        raise ctx.error("SegNet's Upsample over a free height or width is not exported")
+    plane = oh * ow
+    n = g.node("Slice", [g.node("Shape", [x]), g.ints("first", [0]), g.ints("one", [1])])
+    images = g.node("Range", [g.const("zero", np.array(0, np.int64), np.int64),
+                              g.node("Squeeze", [n, g.ints("axis", [0])]),
+                              g.const("step", np.array(1, np.int64), np.int64)])
+    image_offset = g.node("Mul", [g.node("Reshape", [images, g.ints("column", [-1, 1, 1, 1])]),
+                                  g.const("image", np.array(c * plane, np.int64), np.int64)])
+    channel_offset = g.const("channel", (np.arange(c) * plane).reshape(1, c, 1, 1), np.int64)
+    index = g.node("Add", [g.node("Add", [g.node("Cast", [ctx.inputs[1]], to=7), image_offset]),
+                           channel_offset])
+    # The scatter follows the indices alone; kernel and stride only bound the output size,
+    # which onnxruntime wants at least (in - 1) * stride + kernel: stride 1 and the kernel
+    # that makes that the top's size.
+    h, w = ctx.bottom_shapes[0][2:]
+    return [g.node("MaxUnpool", [x, index, _sizes(g, ctx, [oh, ow])], ctx.outs[0],
+                   kernel_shape=[oh - h + 1, ow - w + 1], strides=[1, 1])]
+
+
+def _roi_pooling(g, ctx):
+    layer = ctx.layer
+    rois = g.node("Reshape", [ctx.inputs[1], g.ints("rows", [-1, 5])])
+    return [g.node("MaxRoiPool", [ctx.inputs[0], rois], ctx.outs[0],
+                   pooled_shape=list(layer.pooled), spatial_scale=float(layer.scale))]
+
+
 CONVERTERS = {
     "Convolution": _convolution,
     "Deconvolution": _deconvolution,
@@ -615,6 +698,14 @@ CONVERTERS = {
     "Reduction": _reduction,
     "Tile": _tile,
     "ArgMax": _argmax,
+    # Caffe forks' layers
+    "ConvolutionDepthwise": _convolution,
+    "DepthwiseConvolution": _convolution,
+    "ReLU6": _relu6,
+    "ShuffleChannel": _shuffle_channel,
+    "Interp": _interp,
+    "Upsample": _upsample,
+    "ROIPooling": _roi_pooling,
 }
 """Caffe type string -> converter(graph, ctx) returning the ONNX names of the layer's tops."""
 
@@ -637,6 +728,7 @@ UNSUPPORTED = {
     "BatchReindex": "BatchReindex is not exported",
     "Parameter": "Parameter is not exported",
     "Input": "",
+    "PSROIPooling": "position-sensitive ROI pooling (R-FCN) has no standard ONNX operator",
 }
 """Caffe types refused, with the reason the error gives."""
 
