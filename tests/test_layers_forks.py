@@ -277,6 +277,20 @@ def test_psroi_pooling():
     check_net_gradients(text, {"x": x, "rois": ROIS}, skip_bottoms=("rois",))
 
 
+# ------------------------------------------------------------------ SENet
+@pytest.mark.parametrize("scale_shape", [(2, 3, 1, 1), (2, 3)])
+def test_axpy(scale_shape):
+    a, x, y = (RNG.standard_normal(s) for s in (scale_shape, (2, 3, 4, 5), (2, 3, 4, 5)))
+    text = _net('type: "Axpy" bottom: "a" bottom: "x" bottom: "y" top: "z"',
+                ("a", scale_shape), ("x", x.shape), ("y", y.shape))
+    z = _forward(text, {"a": a, "x": x, "y": y}).blobs["z"].data
+    for n in range(2):          # SENet's Forward_cpu: one axpy per channel
+        for c in range(3):
+            np.testing.assert_allclose(z[n, c], a.reshape(2, 3)[n, c] * x[n, c] + y[n, c],
+                                       rtol=1e-14)
+    check_net_gradients(text, {"a": a, "x": x, "y": y})
+
+
 # ------------------------------------------------------------------ pooling's ceil_mode
 @pytest.mark.parametrize("field,size", [("ceil_mode: false", 2), ("ceil_mode: true", 3),
                                         ("round_mode: FLOOR", 2), ("", 3)])
@@ -312,6 +326,9 @@ def test_pooling_ceil_mode(field, size):
     ('type: "PSROIPooling" bottom: "x" bottom: "r" top: "y" psroi_pooling_param { '
      'spatial_scale: 1 output_dim: 2 group_size: 2 }', [("x", (1, 6, 4, 4)), ("r", (1, 5))],
      r"input channels \(6\) must be output_dim x group_size\^2"),
+    ('type: "Axpy" bottom: "a" bottom: "x" bottom: "x" top: "y"', [("a", (1, 2)),
+                                                                  ("x", (1, 3, 2, 2))],
+     r"the scale bottom must be \(N, C\) or \(N, C, 1, 1\)"),
     ('type: "PSROIPooling" bottom: "x" bottom: "r" top: "y" psroi_pooling_param { '
      'output_dim: 2 group_size: 2 }', [("x", (1, 8, 4, 4)), ("r", (1, 5))],
      "psroi_pooling_param.spatial_scale is required"),

@@ -111,3 +111,14 @@ def test_interp_over_free_size_by_zoom_is_refused(tmp_path):
     text = MOBILE_SEGMENTATION.split('layer { name: "crop"')[0]
     with pytest.raises(OnnxExportError, match=r'layer "zoom".*export with a fixed size'):
         _export(tmp_path, text, dynamic_spatial=True)
+
+
+def test_axpy_is_mul_add(tmp_path):
+    text = """name: "se"
+layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 2 dim: 4 dim: 3 dim: 5 } } }
+layer { name: "pool" type: "Pooling" bottom: "x" top: "pool" pooling_param { pool: AVE global_pooling: true } }
+layer { name: "gate" type: "Sigmoid" bottom: "pool" top: "gate" }
+layer { name: "axpy" type: "Axpy" bottom: "gate" bottom: "x" bottom: "x" top: "out" }
+"""
+    result = _export(tmp_path, text)
+    _check(result)

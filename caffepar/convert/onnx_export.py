@@ -656,6 +656,13 @@ def _upsample(g, ctx):
                    kernel_shape=[oh - h + 1, ow - w + 1], strides=[1, 1])]
 
 
+def _axpy(g, ctx):
+    a, x, y = ctx.inputs
+    rank = len(ctx.bottom_shapes[1])
+    a = g.node("Reshape", [a, g.ints("scale_shape", [0, 0] + [1] * (rank - 2))])
+    return [g.node("Add", [g.node("Mul", [a, x]), y], ctx.outs[0])]
+
+
 def _roi_pooling(g, ctx):
     layer = ctx.layer
     rois = g.node("Reshape", [ctx.inputs[1], g.ints("rows", [-1, 5])])
@@ -706,6 +713,7 @@ CONVERTERS = {
     "Interp": _interp,
     "Upsample": _upsample,
     "ROIPooling": _roi_pooling,
+    "Axpy": _axpy,
 }
 """Caffe type string -> converter(graph, ctx) returning the ONNX names of the layer's tops."""
 
