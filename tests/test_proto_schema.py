@@ -55,6 +55,21 @@ EXTENSIONS.update(FORK_FIELDS_MOBILE_SEGMENTATION_DETECTION)
 EXTENSION_MESSAGES |= {"caffe.ShuffleChannelParameter", "caffe.InterpParameter",
                        "caffe.UpsampleParameter", "caffe.ROIPoolingParameter",
                        "caffe.PSROIPoolingParameter"}
+# Each fork's facts for its message ("name number type default"; PSROIPooling's fields are
+# `required` in R-FCN, optional here with the same bytes; UpsampleParameter.scale has SegNet's
+# default 2 and the YOLO ports' 1 there, none here: the layer takes the one of its form).
+FORK_MESSAGE_FACTS_MOBILE_SEGMENTATION_DETECTION = {
+    "ShuffleChannelParameter": ["group 1 uint32 1"],
+    "InterpParameter": ["height 1 int32 0", "width 2 int32 0", "zoom_factor 3 int32 1",
+                        "shrink_factor 4 int32 1", "pad_beg 5 int32 0", "pad_end 6 int32 0"],
+    "UpsampleParameter": ["scale 1 uint32 -", "scale_h 2 uint32 -", "scale_w 3 uint32 -",
+                          "pad_out_h 4 bool false", "pad_out_w 5 bool false",
+                          "upsample_h 6 uint32 -", "upsample_w 7 uint32 -"],
+    "ROIPoolingParameter": ["pooled_h 1 uint32 0", "pooled_w 2 uint32 0",
+                            "spatial_scale 3 float 1.0"],
+    "PSROIPoolingParameter": ["spatial_scale 1 float -", "output_dim 2 int32 -",
+                              "group_size 3 int32 -"],
+}
 
 # sha256 of the canonical listing (see _caffe_fingerprint) of everything in
 # the schema except EXTENSIONS / EXTENSION_ENUMS. It was taken when the schema
@@ -378,3 +393,17 @@ def test_extensions_are_skipped_by_plain_caffe_schema():
     old_solver = plain("caffe.SolverParameter").FromString(solver.SerializeToString())
     assert old_solver.base_lr == pytest.approx(0.1)
     assert _unknown_field_numbers(old_solver) == [1000]
+
+
+def test_mobile_segmentation_detection_fork_messages_are_the_forks():
+    kinds = {2: "float", 5: "int32", 8: "bool", 13: "uint32"}
+    for message, facts in FORK_MESSAGE_FACTS_MOBILE_SEGMENTATION_DETECTION.items():
+        descriptor = getattr(caffe_pb2, message).DESCRIPTOR
+        got = []
+        for f in sorted(descriptor.fields, key=lambda f: f.number):
+            assert not (f.is_repeated or f.is_required), f"{message}.{f.name}"
+            default = str(f.default_value).lower() if f.has_default_value else "-"
+            got.append(f"{f.name} {f.number} {kinds[f.type]} {default}")
+        assert got == facts, message
+    ceil_mode = caffe_pb2.PoolingParameter.DESCRIPTOR.fields_by_name["ceil_mode"]
+    assert (ceil_mode.number, ceil_mode.type, ceil_mode.default_value) == (1013, 8, True)
