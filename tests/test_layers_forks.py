@@ -2,6 +2,7 @@
 from each fork's definition, backward by Caffe's gradient checker (float64), and one-line
 errors naming the layer."""
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -447,3 +448,27 @@ def test_finetuning_a_depthwise_relu6_interp_net_lowers_its_loss(tmp_path, monke
     assert after < 0.6 * before, (before, after)
     moved = np.abs(solver.net.params["dw"][0].data - start.net.params["dw"][0].data).max()
     assert moved > 1e-2, "the depthwise weights did not train"
+
+
+# ------------------------------------------------------------------ one-layer fixtures
+FIXTURES = sorted((Path(__file__).parent / "fork_layers").glob("*.prototxt"))
+FIXTURE_ROIS = np.array([[0, 0, 0, 23, 19], [0, 4, 2, 13, 9], [0, 6, 6, 6, 7],
+                         [0, 10, 12, 30, 30]], np.float32)
+
+
+def fixture_inputs(net):
+    """Random features, and fixed regions for a `rois` input."""
+    rng = np.random.default_rng(0)
+    return {n: FIXTURE_ROIS if n == "rois" else
+            rng.standard_normal(net.blobs[n].shape).astype(np.float32) for n in net.inputs}
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=lambda p: p.stem)
+def test_fork_layer_fixtures_run(path):
+    """The one-layer nets of tests/fork_layers (a table for checks against other tools) build
+    and give finite outputs."""
+    net = Net(str(path), phase=TEST)
+    for name, value in fixture_inputs(net).items():
+        net.blobs[name].data[...] = value
+    out = net.forward()
+    assert out and all(np.isfinite(v).all() and v.size for v in out.values())

@@ -1,5 +1,7 @@
 """ONNX export of the layers of Caffe's forks (mobile, segmentation, detection): onnxruntime
 agrees with caffepar's forward, every blob."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -122,3 +124,18 @@ layer { name: "axpy" type: "Axpy" bottom: "gate" bottom: "x" bottom: "x" top: "o
 """
     result = _export(tmp_path, text)
     _check(result)
+
+
+FIXTURES = sorted((Path(__file__).parent / "fork_layers").glob("*.prototxt"))
+NOT_EXPORTED = {"psroi_pooling": "position-sensitive", "upsample_segnet": "mask top"}
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=lambda p: p.stem)
+def test_fork_layer_fixtures_export(path):
+    from test_layers_forks import fixture_inputs
+    if path.stem in NOT_EXPORTED:
+        with pytest.raises(OnnxExportError, match=NOT_EXPORTED[path.stem]):
+            export_onnx(path, None)
+        return
+    result = export_onnx(path, None)
+    _check(result, inputs=fixture_inputs(result.net))
