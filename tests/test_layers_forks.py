@@ -472,3 +472,12 @@ def test_fork_layer_fixtures_run(path):
         net.blobs[name].data[...] = value
     out = net.forward()
     assert out and all(np.isfinite(v).all() and v.size for v in out.values())
+
+
+def test_depthwise_flops_count_one_input_channel_per_output():
+    from caffepar.convert.info import layer_flops
+    net = Net(str(Path(__file__).parent / "fork_layers" / "convolution_depthwise.prototxt"),
+              phase=TEST)
+    layer = net.layers[1]
+    out = 8 * 5 * 6
+    assert layer_flops(layer, [(1, 8, 10, 12)], [(1, 8, 5, 6)]) == 2 * out * 9 + out
