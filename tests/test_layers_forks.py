@@ -481,3 +481,30 @@ def test_depthwise_flops_count_one_input_channel_per_output():
     layer = net.layers[1]
     out = 8 * 5 * 6
     assert layer_flops(layer, [(1, 8, 10, 12)], [(1, 8, 5, 6)]) == 2 * out * 9 + out
+
+
+#: Fixtures OpenCV's dnn (4.x) runs as the forks do; the others: OpenCV has no
+#: DepthwiseConvolution or Upsample layer, and its Interp ignores shrink_factor, pad_beg and
+#: pad_end (DeepLab's rules, which caffepar follows: 10x12 zoomed by 2 after pads -1/-2 is 13x17,
+#: OpenCV gives 19x23).
+OPENCV_RUNS = {"axpy", "convolution_depthwise", "interp_size", "interp_zoom", "pooling_ceil_mode",
+               "psroi_pooling", "relu6", "roi_pooling", "shuffle_channel"}
+
+
+@pytest.mark.parametrize("path", [p for p in FIXTURES if p.stem in OPENCV_RUNS],
+                         ids=lambda p: p.stem)
+def test_fork_layer_fixtures_agree_with_opencv(path, tmp_path):
+    cv2 = pytest.importorskip("cv2")
+    if not cv2.__version__.startswith("4."):
+        pytest.skip("OpenCV 5 has no Caffe reader")
+    net = Net(str(path), phase=TEST)
+    inputs = fixture_inputs(net)
+    for name, value in inputs.items():
+        net.blobs[name].data[...] = value
+    ours = net.forward()
+    net.save(str(tmp_path / "w.caffemodel"))
+    other = cv2.dnn.readNetFromCaffe(str(path), str(tmp_path / "w.caffemodel"))
+    for name, value in inputs.items():
+        other.setInput(value, name)
+    for name, value in ours.items():         # each fixture's last layer is named as its top
+        np.testing.assert_allclose(other.forward(name), value, rtol=1e-5, atol=1e-6)
