@@ -78,9 +78,26 @@ def test_segnet_upsample_is_maxunpool(tmp_path):
                            "mask": mask}, tolerance=0)
 
 
-def test_segnet_with_the_pooling_mask_names_what_onnx_lacks(tmp_path):
-    with pytest.raises(OnnxExportError, match="mask top"):
-        _export(tmp_path, SEGNET)
+def test_segnet_pooling_mask_and_upsample_export(tmp_path):
+    """The pooling mask top is MaxPool's Indices in Caffe's layout; the unpooling undoes it."""
+    result = _export(tmp_path, SEGNET)
+    _check(result, tolerance=0)
+    x = RNG.standard_normal((3, 3, 7, 8)).astype(np.float32)
+    _check(result, inputs={"data": x}, tolerance=0)
+
+
+@pytest.mark.parametrize("kernel,stride,pad,size,mode", [
+    (2, 2, 0, 7, ""), (3, 2, 1, 8, ""), (3, 2, 0, 9, "round_mode: FLOOR"), (2, 3, 0, 10, ""),
+    (3, 1, 1, 5, ""), (2, 2, 0, 6, "global_pooling: true")])
+def test_pooling_mask_top_is_caffes(tmp_path, kernel, stride, pad, size, mode):
+    window = "" if "global" in mode else f"kernel_size: {kernel} stride: {stride} pad: {pad}"
+    result = _export(tmp_path, f"""name: "mask"
+layer {{ name: "data" type: "Input" top: "data"
+  input_param {{ shape {{ dim: 2 dim: 3 dim: {size} dim: {size + 1} }} }} }}
+layer {{ name: "pool" type: "Pooling" bottom: "data" top: "pool" top: "mask"
+  pooling_param {{ pool: MAX {window} {mode} }} }}
+""")
+    _check(result, tolerance=0)
 
 
 DETECTION = """name: "rois"
@@ -127,7 +144,7 @@ layer { name: "axpy" type: "Axpy" bottom: "gate" bottom: "x" bottom: "x" top: "o
 
 
 FIXTURES = sorted((Path(__file__).parent / "fork_layers").glob("*.prototxt"))
-NOT_EXPORTED = {"psroi_pooling": "position-sensitive", "upsample_segnet": "mask top"}
+NOT_EXPORTED = {"psroi_pooling": "position-sensitive"}
 
 
 @pytest.mark.parametrize("path", FIXTURES, ids=lambda p: p.stem)

@@ -85,11 +85,16 @@ class _Graph:
     def node(self, op, inputs, out=None, **attrs):
         """Add one node; returns its (single) output name, `out` if given."""
         out = out or self.fresh(f"{self.layer_name}/{op}")
-        self.used.add(out)
-        self.nodes.append(self.helper.make_node(op, list(inputs), [out],
+        return self.node_outputs(op, inputs, [out], **attrs)[0]
+
+    def node_outputs(self, op, inputs, outs, **attrs):
+        """Add one node with the given output names (None: a fresh one); returns them."""
+        outs = [o or self.fresh(f"{self.layer_name}/{op}") for o in outs]
+        self.used.update(outs)
+        self.nodes.append(self.helper.make_node(op, list(inputs), outs,
                                                 name=self.fresh(f"{self.layer_name}/{op}_node"),
                                                 **attrs))
-        return out
+        return outs
 
 
 @dataclass
@@ -189,16 +194,16 @@ def _pooling(g, ctx):
     method = p.pool
     if method == PP.STOCHASTIC:
         raise ctx.error("STOCHASTIC pooling (random at TRAIN, weighted at TEST) has no ONNX form")
-    if len(ctx.outs) > 1:
-        raise ctx.error("the MAX pooling mask top (argmax indices) has no ONNX equivalent "
-                        "with Caffe's index layout")
+    mask = len(ctx.outs) > 1
     n, c, h, w = ctx.bottom_shapes[0]
     geom = layer.geom
     kh, kw, ph, pw, sh, sw = geom.kh, geom.kw, geom.ph, geom.pw, geom.sh, geom.sw
     oh, ow = ctx.top_shapes[0][2], ctx.top_shapes[0][3]
     free = set(ctx.free_axes()) & {2, 3}
-    if p.global_pooling or (not free and kh == h and kw == w and ph == pw == 0
-                            and oh == ow == 1):
+    if mask and free:
+        raise ctx.error("the MAX pooling mask top over a free height or width is not exported")
+    if not mask and (p.global_pooling or (not free and kh == h and kw == w and ph == pw == 0
+                                          and oh == ow == 1)):
         op = "GlobalMaxPool" if method == PP.MAX else "GlobalAveragePool"
         return [g.node(op, [ctx.inputs[0]], ctx.outs[0])]
     if free:
@@ -219,6 +224,8 @@ def _pooling(g, ctx):
                            g.const("fill", np.array(fill, np.float32))], mode="constant")
     op = "MaxPool" if method == PP.MAX else "AveragePool"
     attrs = dict(kernel_shape=[kh, kw], strides=[sh, sw])
+    if mask:
+        return _caffe_mask(g, ctx, x, attrs, need_w, ph, pw, h, w)
     if method == PP.MAX:
         return [g.node(op, [x], ctx.outs[0], **attrs)]
     div = np.outer(_caffe_ave_divisors(h, kh, ph, sh, oh), _caffe_ave_divisors(w, kw, pw, sw, ow))
@@ -228,6 +235,20 @@ def _pooling(g, ctx):
     pooled = g.node(op, [x], **attrs)
     return [g.node("Mul", [pooled, g.const("ave_divisor_fix", correction.reshape(1, 1, oh, ow))],
                    ctx.outs[0])]
+
+
+def _caffe_mask(g, ctx, x, attrs, padded_w, ph, pw, h, w):
+    """MaxPool with Indices, turned into Caffe's mask: ONNX counts each argmax over the whole
+    (padded, cropped) tensor, Caffe within the plane of the unpadded input, as a float."""
+    pooled, flat = g.node_outputs("MaxPool", [x], [ctx.outs[0], None], **attrs)
+    padded_h = (ctx.top_shapes[0][2] - 1) * attrs["strides"][0] + attrs["kernel_shape"][0]
+    within = g.node("Mod", [flat, g.ints("plane", padded_h * padded_w)])
+    width = g.ints("padded_width", padded_w)
+    row = g.node("Div", [within, width])
+    col = g.node("Mod", [within, width])
+    index = g.node("Add", [g.node("Mul", [row, g.ints("width", w)]), col])
+    index = g.node("Sub", [index, g.ints("pad_offset", ph * w + pw)])
+    return [pooled, g.node("Cast", [index], ctx.outs[1], to=1)]
 
 
 def _pooling_free_size(g, ctx, method, geom):
