@@ -483,11 +483,12 @@ def test_depthwise_flops_count_one_input_channel_per_output():
     assert layer_flops(layer, [(1, 8, 10, 12)], [(1, 8, 5, 6)]) == 2 * out * 9 + out
 
 
-#: Fixtures OpenCV's dnn (4.x) runs as the forks do; the others: OpenCV has no
-#: DepthwiseConvolution or Upsample layer, and its Interp ignores shrink_factor, pad_beg and
-#: pad_end (DeepLab's rules, which caffepar follows: 10x12 zoomed by 2 after pads -1/-2 is 13x17,
-#: OpenCV gives 19x23).
-OPENCV_RUNS = {"axpy", "convolution_depthwise", "interp_size", "interp_zoom", "pooling_ceil_mode",
+#: Fixtures OpenCV's dnn (4.x) runs as the forks do. The others: OpenCV has no
+#: DepthwiseConvolution or Upsample layer; its Interp ignores shrink_factor, pad_beg and pad_end
+#: (DeepLab's rules, which caffepar follows: 10x12 zoomed by 2 after pads -1/-2 is 13x17, OpenCV
+#: gives 19x23); its Axpy scales the third bottom and adds the second, where SENet's layer
+#: computes a * bottom[1] + bottom[2] (the SE block's residual branch scaled, plus the shortcut).
+OPENCV_RUNS = {"convolution_depthwise", "interp_size", "interp_zoom", "pooling_ceil_mode",
                "psroi_pooling", "relu6", "roi_pooling", "shuffle_channel"}
 
 
