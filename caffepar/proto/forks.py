@@ -8,6 +8,8 @@ FAST_RCNN = "Fast/Faster R-CNN (rbgirshick/caffe-fast-rcnn)"
 RFCN = "R-FCN (daijifeng001/caffe-rfcn)"
 DEEPLAB = "DeepLab v2 (deeplab-public-ver2)"
 SEGNET = "SegNet (alexgkendall/caffe-segnet)"
+BN_FORKS = ("SegNet (alexgkendall/caffe-segnet; bn_param 45) and PSPNet (hszhao/PSPNet; bn_param "
+            "152), whose BN layers differ")
 YOLO2 = "the YOLOv2 ports of Caffe"
 MOBILE_YOLO = "MobileNet-YOLO (eric612/MobileNet-YOLO)"
 DARKNET2CAFFE = "darknet2caffe's Caffe (ChenYingpeng/darknet2caffe)"
@@ -21,7 +23,7 @@ FORK_LAYER_TYPES = {
     "BoxAnnotatorOHEM": RFCN,
     **{t: DEEPLAB for t in ("DenseCRF", "SegAccuracy", "MatRead", "MatWrite", "UniqueLabel",
                             "BiasChannel", "AdaptiveBiasChannel", "DomainTransform")},
-    "BN": SEGNET,
+    "BN": BN_FORKS,
     "DenseImageData": SEGNET,
     "Reorg": YOLO2,
     "Region": YOLO2,
@@ -41,7 +43,7 @@ FORK_LAYER_FIELDS = {
     **{f: DEEPLAB for f in ("dense_crf_param", "seg_accuracy_param", "mat_read_param",
                             "mat_write_param", "unique_label_param", "bias_channel_param",
                             "adaptive_bias_channel_param", "domain_transform_param")},
-    "bn_param": SEGNET,
+    "bn_param": BN_FORKS,
     "dense_image_data_param": SEGNET,
     "reorg_param": YOLO2,
     "yolo_detection_output_param": MOBILE_YOLO,
