@@ -509,3 +509,27 @@ def test_fork_layer_fixtures_agree_with_opencv(path, tmp_path):
         other.setInput(value, name)
     for name, value in ours.items():         # each fixture's last layer is named as its top
         np.testing.assert_allclose(other.forward(name), value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layer,expected", [
+    ('layer { name: "up" type: "Interp" bottom: "data" top: "up" }',
+     'net.prototxt:3: error: layer "up" (Interp): gives no output size'),
+    ('layer { name: "up" type: "Upsample" bottom: "data" top: "up"\n'
+     '  upsample_param { scale_h: 2 } }',
+     'net.prototxt:3: error: layer "up" (Upsample): scale_h apply only to SegNet'),
+    ('layer { name: "roi" type: "ROIPooling" bottom: "data" top: "r"\n'
+     '  roi_pooling_param { pooled_h: 2 pooled_w: 2 } }',
+     'net.prototxt:3: error: layer "roi" (ROIPooling): takes 2 bottoms, the features and the '
+     'regions of interest'),
+])
+def test_cli_error_is_one_line_with_file_and_line(tmp_path, capsys, monkeypatch, layer, expected):
+    from caffepar.cli import main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "net.prototxt").write_text(
+        'name: "bad"\nlayer { name: "data" type: "Input" top: "data" input_param { shape { '
+        'dim: 1 dim: 2 dim: 4 dim: 4 } } }\n' + layer + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["time", "--model", "net.prototxt", "--iterations", "1"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 1
+    assert len(err.splitlines()) == 1 and expected in err, err
