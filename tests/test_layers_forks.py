@@ -207,6 +207,98 @@ def test_upsample_yolo_nearest():
     check_net_gradients(text, {"x": x})
 
 
+# ------------------------------------------------------------------ BN (PSPNet, SegNet)
+def _bn_net(param, tops=1):
+    extra = "".join(f' top: "s{i}"' for i in range(1, tops))
+    return _net(f'type: "BN" bottom: "x" top: "y"{extra} {param}', ("x", (2, 3, 4, 5)))
+
+
+def _bn_set(net, *blobs):
+    for b, v in zip(net.params["l"], blobs):
+        b.data[...] = np.asarray(v).reshape(1, 3, 1, 1)
+
+
+BN_SLOPE, BN_BIAS, BN_MEAN, BN_VAR = [1.5, -0.5, 2.0], [0.1, 0.2, -0.3], [0.3, -1.0, 0.5], \
+    [0.5, 2.0, 1.5]
+EPS = float(np.float32(1e-5))       # the field's float default
+
+
+@pytest.mark.parametrize("phase,frozen", [(TEST, ""), ("TRAIN", "bn_param { frozen: true }")])
+def test_pspnet_bn_moving_statistics(phase, frozen):
+    """PSPNet's BN at TEST (or frozen): slope * (x - mean) / sqrt(var + eps) + bias."""
+    from caffepar.graph.net import TRAIN
+    x = RNG.standard_normal((2, 3, 4, 5))
+    net = Net(parse_text(_bn_net(frozen), caffe_pb2.NetParameter()),
+              phase=TRAIN if phase == "TRAIN" else TEST, dtype=np.float64)
+    _bn_set(net, BN_SLOPE, BN_BIAS, BN_MEAN, BN_VAR)
+    net.blobs["x"].data[...] = x
+    net.forward_from_to()
+    c = (1, 3, 1, 1)
+    want = (np.reshape(BN_SLOPE, c) * (x - np.reshape(BN_MEAN, c))
+            / np.sqrt(np.reshape(BN_VAR, c) + EPS) + np.reshape(BN_BIAS, c))
+    np.testing.assert_allclose(net.blobs["y"].data, want, rtol=1e-12, atol=1e-14)
+    assert [s.lr_mult for s in net.layers[1].param.param] == \
+        ([0, 0, 0, 0] if frozen else [1, 1, 0, 0])
+
+    def prepare(n):
+        _bn_set(n, BN_SLOPE, BN_BIAS, BN_MEAN, BN_VAR)
+    check_net_gradients(_bn_net(frozen), {"x": x}, check_params=False, prepare=prepare,
+                        phase=TRAIN if phase == "TRAIN" else TEST)
+
+
+def test_pspnet_bn_training_uses_the_batch_and_moves_the_averages():
+    from caffepar.graph.net import TRAIN
+    x = RNG.standard_normal((2, 3, 4, 5)) * 2 + 1
+    text = _bn_net("bn_param { momentum: 0.8 }")
+    net = Net(parse_text(text, caffe_pb2.NetParameter()), phase=TRAIN, dtype=np.float64)
+    _bn_set(net, BN_SLOPE, BN_BIAS, BN_MEAN, BN_VAR)
+    net.blobs["x"].data[...] = x
+    net.forward_from_to()
+    mean, var = x.mean(axis=(0, 2, 3)), x.var(axis=(0, 2, 3))
+    c = (1, 3, 1, 1)
+    want = (np.reshape(BN_SLOPE, c) * (x - mean.reshape(c)) / np.sqrt(var.reshape(c) + EPS)
+            + np.reshape(BN_BIAS, c))
+    np.testing.assert_allclose(net.blobs["y"].data, want, rtol=1e-10, atol=1e-14)
+    m = float(np.float32(0.8))
+    np.testing.assert_allclose(net.params["l"][2].data.ravel(),
+                               (1 - m) * mean + m * np.array(BN_MEAN), rtol=1e-12)
+    np.testing.assert_allclose(net.params["l"][3].data.ravel(),
+                               (1 - m) * var + m * np.array(BN_VAR), rtol=1e-12)
+
+    def prepare(n):
+        _bn_set(n, BN_SLOPE, BN_BIAS, BN_MEAN, BN_VAR)
+    check_net_gradients(text, {"x": x}, phase=TRAIN, prepare=prepare)
+
+
+SEGNET_BN = 'bn_param { bn_mode: %s scale_filler { type: "gaussian" } shift_filler { type: ' \
+    '"gaussian" } }'
+
+
+def test_segnet_bn_inference_and_learn():
+    x = RNG.standard_normal((2, 3, 4, 5)) * 3 - 1
+    c = (1, 3, 1, 1)
+    net = _forward(_bn_net(SEGNET_BN % "INFERENCE"), {"x": x})
+    scale, shift = (b.data for b in net.params["l"])
+    assert len(net.params["l"]) == 2
+    np.testing.assert_allclose(net.blobs["y"].data, scale * x + shift, rtol=1e-12)
+    check_net_gradients(_bn_net(SEGNET_BN % "INFERENCE"), {"x": x})
+    # LEARN: the batch's statistics in every phase; tops 2 and 3 are the batch mean and variance.
+    net = _forward(_bn_net(SEGNET_BN % "LEARN", tops=3), {"x": x})
+    scale, shift = (b.data for b in net.params["l"])
+    mean, var = x.mean(axis=(0, 2, 3)).reshape(c), x.var(axis=(0, 2, 3)).reshape(c)
+    np.testing.assert_allclose(net.blobs["y"].data,
+                               scale * (x - mean) / np.sqrt(var + 1e-9) + shift, rtol=1e-10)
+    np.testing.assert_allclose(net.blobs["s1"].data, mean, rtol=1e-12)
+    np.testing.assert_allclose(net.blobs["s2"].data, var, rtol=1e-12)
+    check_net_gradients(_bn_net(SEGNET_BN % "LEARN"), {"x": x})
+
+
+def test_bn_mixing_the_forks_fields_is_an_error():
+    with pytest.raises(CaffeparError, match=r'layer "l".*mixes SegNet.s BN fields \(bn_mode\) '
+                                            r"with PSPNet's \(frozen\)"):
+        _forward(_bn_net("bn_param { bn_mode: INFERENCE frozen: true }"), {})
+
+
 # ------------------------------------------------------------------ detection
 def _c_round(v):
     return np.sign(v) * np.floor(np.abs(v) + 0.5)
@@ -355,7 +447,8 @@ def test_upsample_mask_out_of_range():
 # ------------------------------------------------------------------ fork .caffemodel fields
 def test_caffemodel_fields_numbered_as_in_the_forks(tmp_path):
     """DeepLab writes interp_param as 143 and SegNet upsample_param as 137 (BVLC's input_param
-    and embed_param): read back by the layer's type, every value intact."""
+    and embed_param) and bn_param as 45 with its own numbering: read back by the layer's type,
+    every value intact."""
     from caffepar.io.weights import _length_delimited, read_caffemodel
 
     def layer(name, type_name, number, param):
@@ -371,14 +464,19 @@ def test_caffemodel_fields_numbered_as_in_the_forks(tmp_path):
     conv = caffe_pb2.LayerParameter(name="c", type="Convolution")
     conv.blobs.append(blob)
     path = tmp_path / "fork.caffemodel"
+    segnet_bn = caffe_pb2.SegNetBNParameter(bn_mode=caffe_pb2.BNParameter.INFERENCE)
+    segnet_bn.scale_filler.type = "gaussian"
     path.write_bytes(layer("in", "Input", 143, shape) + layer("i", "Interp", 143, interp)
-                     + layer("u", "Upsample", 137, upsample)
+                     + layer("u", "Upsample", 137, upsample) + layer("bn", "BN", 45, segnet_bn)
                      + _length_delimited(100, conv.SerializeToString()))
     model = read_caffemodel(path)
     by_name = {lp.name: lp for lp in model.net_param.layer}
     assert by_name["i"].interp_param == interp and not by_name["i"].HasField("input_param")
     assert by_name["u"].upsample_param == upsample and not by_name["u"].HasField("embed_param")
     assert by_name["in"].input_param == shape
+    bn = by_name["bn"].bn_param
+    assert bn.bn_mode == bn.INFERENCE and bn.scale_filler.type == "gaussian"
+    assert not bn.HasField("slope_filler") and not bn.HasField("shift_filler")
     assert model.by_name()["c"][0][0].tolist() == [1.0, 2.0]
 
 

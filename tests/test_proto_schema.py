@@ -50,11 +50,13 @@ FORK_FIELDS_MOBILE_SEGMENTATION_DETECTION = {
     ("caffe.LayerParameter", "psroi_pooling_param"): 10001,
     ("caffe.LayerParameter", "roi_pooling_param"): 8266711,
     ("caffe.PoolingParameter", "ceil_mode"): 1013,
+    ("caffe.LayerParameter", "bn_param"): 152,
 }
 EXTENSIONS.update(FORK_FIELDS_MOBILE_SEGMENTATION_DETECTION)
 EXTENSION_MESSAGES |= {"caffe.ShuffleChannelParameter", "caffe.InterpParameter",
                        "caffe.UpsampleParameter", "caffe.ROIPoolingParameter",
-                       "caffe.PSROIPoolingParameter"}
+                       "caffe.PSROIPoolingParameter", "caffe.BNParameter",
+                       "caffe.SegNetBNParameter"}
 # Each fork's facts for its message ("name number type default"; PSROIPooling's fields are
 # `required` in R-FCN, optional here with the same bytes; UpsampleParameter.scale has SegNet's
 # default 2 and the YOLO ports' 1 there, none here: the layer takes the one of its form).
@@ -69,6 +71,13 @@ FORK_MESSAGE_FACTS_MOBILE_SEGMENTATION_DETECTION = {
                             "spatial_scale 3 float 1.0"],
     "PSROIPoolingParameter": ["spatial_scale 1 float -", "output_dim 2 int32 -",
                               "group_size 3 int32 -"],
+    # PSPNet's fields, then SegNet's under 1001-1003 (its own numbers in SegNetBNParameter).
+    "BNParameter": ["slope_filler 1 message -", "bias_filler 2 message -", "momentum 3 float 0.9",
+                    "eps 4 float 1e-05", "frozen 5 bool false", "engine 6 enum 0",
+                    "scale_filler 1001 message -", "shift_filler 1002 message -",
+                    "bn_mode 1003 enum 0"],
+    "SegNetBNParameter": ["scale_filler 1 message -", "shift_filler 2 message -",
+                          "bn_mode 3 enum 0"],
 }
 
 # sha256 of the canonical listing (see _caffe_fingerprint) of everything in
@@ -396,13 +405,14 @@ def test_extensions_are_skipped_by_plain_caffe_schema():
 
 
 def test_mobile_segmentation_detection_fork_messages_are_the_forks():
-    kinds = {2: "float", 5: "int32", 8: "bool", 13: "uint32"}
+    kinds = {2: "float", 5: "int32", 8: "bool", 11: "message", 13: "uint32", 14: "enum"}
     for message, facts in FORK_MESSAGE_FACTS_MOBILE_SEGMENTATION_DETECTION.items():
         descriptor = getattr(caffe_pb2, message).DESCRIPTOR
         got = []
         for f in sorted(descriptor.fields, key=lambda f: f.number):
             assert not (f.is_repeated or f.is_required), f"{message}.{f.name}"
-            default = str(f.default_value).lower() if f.has_default_value else "-"
+            default = "-" if not f.has_default_value else \
+                repr(round(f.default_value, 7)) if f.type == 2 else str(f.default_value).lower()
             got.append(f"{f.name} {f.number} {kinds[f.type]} {default}")
         assert got == facts, message
     ceil_mode = caffe_pb2.PoolingParameter.DESCRIPTOR.fields_by_name["ceil_mode"]

@@ -127,8 +127,7 @@ def test_a_fork_only_field_says_what_bvlc_caffe_writes_instead(tmp_path):
 @pytest.mark.parametrize("field,fork", [
     ("reorg_param { stride: 2 }", "the YOLOv2 ports of Caffe"),
     ("smooth_l1_loss_param { sigma: 3 }", "Fast/Faster R-CNN (rbgirshick/caffe-fast-rcnn)"),
-    ("bn_param { frozen: true }", "SegNet (alexgkendall/caffe-segnet; bn_param 45) and PSPNet "
-                                  "(hszhao/PSPNet; bn_param 152), whose BN layers differ"),
+    ("dense_crf_param { max_iter: 10 }", "DeepLab v2 (deeplab-public-ver2)"),
 ])
 def test_a_fork_layer_field_names_its_fork(tmp_path, field, fork):
     path = tmp_path / "fork.prototxt"

@@ -215,8 +215,8 @@ def _read_binary(path):
 
 def _read_fork_fields(net, bodies):
     """Fork fields under a number BVLC Caffe gave to another field, read by the layer's type."""
-    wanted = {number for _type, number, _name in COLLIDING_FIELDS}
-    types = {t for t, _number, _name in COLLIDING_FIELDS}
+    wanted = {entry[1] for entry in COLLIDING_FIELDS}
+    types = {entry[0] for entry in COLLIDING_FIELDS}
     for layer, body in zip(net.layer, bodies):
         if layer.type in types:
             raw = {n: body[s:e] for n, w, _v, s, e, _f in _fields(body, 0, len(body))

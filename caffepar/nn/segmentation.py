@@ -1,8 +1,10 @@
-"""Layers of the segmentation forks of Caffe: Interp (DeepLab v2, PSPNet) and Upsample (SegNet's
-unpooling by a max-pooling mask, and the nearest-neighbour form of the YOLO ports)."""
+"""Layers of the segmentation forks of Caffe: Interp (DeepLab v2, PSPNet), Upsample (SegNet's
+unpooling by a max-pooling mask, and the nearest-neighbour form of the YOLO ports) and BN (PSPNet's
+and SegNet's batch normalisation)."""
 import numpy as np
 
 from caffepar.nn.base import Layer, register
+from caffepar.proto import caffe_pb2
 
 
 def interp_matrix(size_in, size_out, dtype):
@@ -202,3 +204,109 @@ class UpsampleLayer(Layer):
 
     def allow_force_backward(self, bottom_index):
         return bottom_index == 0
+
+
+@register("BN")
+class BNLayer(Layer):
+    """BN of the segmentation forks, two layers under one name, told apart by their fields:
+
+    * PSPNet's (hszhao/PSPNet, after yjxiong/caffe): blobs slope, bias, moving mean, moving
+      variance, each (1, C, 1, 1). TEST or frozen: slope * (x - mean) / sqrt(var + eps) + bias.
+      TRAIN: batch mean and (biased) variance, the moving ones updated as
+      momentum * old + (1 - momentum) * batch. The moving blobs never learn (lr_mult 0), nor
+      slope and bias when frozen.
+    * SegNet's (alexgkendall/caffe-segnet; its prototxts give scale_filler, shift_filler and
+      bn_mode, which tell it apart): blobs scale and shift. bn_mode LEARN normalises by the batch's statistics in every
+      phase (eps 1e-9; tops 2 and 3, if present, are the batch mean and variance); INFERENCE is
+      scale * x + shift, the statistics having been folded into the blobs."""
+
+    exact_bottoms = 1
+    min_tops = 1
+    max_tops = 3
+
+    def layer_setup(self, bottom, top):
+        p = self.param.bn_param
+        segnet = [f for f in ("scale_filler", "shift_filler", "bn_mode") if p.HasField(f)]
+        pspnet = [f for f in ("slope_filler", "bias_filler", "momentum", "eps", "frozen")
+                  if p.HasField(f)]
+        if segnet and pspnet:
+            raise self.error(f"mixes SegNet's BN fields ({', '.join(segnet)}) with PSPNet's "
+                             f"({', '.join(pspnet)})")
+        self.segnet = bool(segnet)
+        if len(top) > 1 and not (self.segnet and p.bn_mode == p.LEARN):
+            raise self.error("only SegNet's BN in LEARN mode has batch mean and variance tops")
+        if bottom[0].num_axes != 4:
+            raise self.error(f"bottom must have 4 axes, got shape {bottom[0].shape}")
+        c = bottom[0].shape[1]
+        shape = (1, c, 1, 1)
+        if self.segnet:
+            self.batch_stats = p.bn_mode == p.LEARN
+            self.eps = 1e-9
+            if not self.blobs_already_set(2):
+                self.add_param_blob(shape, p.scale_filler)
+                self.add_param_blob(shape, p.shift_filler)
+        else:
+            self.frozen, self.momentum, self.eps = p.frozen, p.momentum, p.eps
+            self.batch_stats = not self.frozen and self.phase == caffe_pb2.TRAIN
+            if not self.blobs_already_set(4):
+                self.add_param_blob(shape, p.slope_filler)
+                self.add_param_blob(shape, p.bias_filler)
+                self.add_param_blob(shape)
+                self.add_param_blob(shape).data[...] = 1 if self.frozen else 0
+            specs = self.param.param
+            while len(specs) < 4:
+                specs.add()
+            for i in (0, 1, 2, 3) if self.frozen else (2, 3):
+                specs[i].lr_mult = 0
+                specs[i].decay_mult = 0
+        for b in self.blobs:
+            if b.shape != shape:
+                raise self.error(f"blob shape {b.shape}, expected {shape}")
+
+    def reshape(self, bottom, top):
+        if bottom[0].num_axes != 4 or bottom[0].shape[1] != self.blobs[0].shape[1]:
+            raise self.error(f"bottom shape {bottom[0].shape} does not have the layer's "
+                             f"{self.blobs[0].shape[1]} channels")
+        top[0].reshape(bottom[0].shape)
+        for t in top[1:]:
+            t.reshape(self.blobs[0].shape)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data
+        scale, shift = self.blobs[0].data, self.blobs[1].data
+        if self.segnet and not self.batch_stats:
+            top[0].data[...] = scale * x + shift
+            return
+        if self.batch_stats:
+            mean = x.mean(axis=(0, 2, 3), keepdims=True)
+            var = np.square(x - mean).mean(axis=(0, 2, 3), keepdims=True)
+            if not self.segnet:
+                m = self.dtype.type(self.momentum)
+                self.blobs[2].data[...] = (1 - m) * mean + m * self.blobs[2].data
+                self.blobs[3].data[...] = (1 - m) * var + m * self.blobs[3].data
+            for t, stat in zip(top[1:], (mean, var)):
+                t.data[...] = stat
+        else:
+            mean, var = self.blobs[2].data.copy(), self.blobs[3].data.copy()
+        self.inv_std = 1 / np.sqrt(var + self.dtype.type(self.eps))
+        self.x_hat = (x - mean) * self.inv_std
+        top[0].data[...] = scale * self.x_hat + shift
+
+    def backward(self, top, propagate_down, bottom):
+        dy = top[0].diff
+        x_hat = bottom[0].data if self.segnet and not self.batch_stats else self.x_hat
+        if self.param_propagate_down[0]:
+            self.blobs[0].diff += (dy * x_hat).sum(axis=(0, 2, 3), keepdims=True)
+        if self.param_propagate_down[1]:
+            self.blobs[1].diff += dy.sum(axis=(0, 2, 3), keepdims=True)
+        if not propagate_down[0]:
+            return
+        scale = self.blobs[0].data
+        if self.segnet and not self.batch_stats:
+            bottom[0].diff[...] = scale * dy
+            return
+        g = dy * scale
+        if self.batch_stats:
+            g = g - g.mean(axis=(0, 2, 3), keepdims=True) - \
+                x_hat * (g * x_hat).mean(axis=(0, 2, 3), keepdims=True)
+        bottom[0].diff[...] = g * self.inv_std

@@ -8,8 +8,6 @@ FAST_RCNN = "Fast/Faster R-CNN (rbgirshick/caffe-fast-rcnn)"
 RFCN = "R-FCN (daijifeng001/caffe-rfcn)"
 DEEPLAB = "DeepLab v2 (deeplab-public-ver2)"
 SEGNET = "SegNet (alexgkendall/caffe-segnet)"
-BN_FORKS = ("SegNet (alexgkendall/caffe-segnet; bn_param 45) and PSPNet (hszhao/PSPNet; bn_param "
-            "152), whose BN layers differ")
 YOLO2 = "the YOLOv2 ports of Caffe"
 MOBILE_YOLO = "MobileNet-YOLO (eric612/MobileNet-YOLO)"
 DARKNET2CAFFE = "darknet2caffe's Caffe (ChenYingpeng/darknet2caffe)"
@@ -23,7 +21,6 @@ FORK_LAYER_TYPES = {
     "BoxAnnotatorOHEM": RFCN,
     **{t: DEEPLAB for t in ("DenseCRF", "SegAccuracy", "MatRead", "MatWrite", "UniqueLabel",
                             "BiasChannel", "AdaptiveBiasChannel", "DomainTransform")},
-    "BN": BN_FORKS,
     "DenseImageData": SEGNET,
     "Reorg": YOLO2,
     "Region": YOLO2,
@@ -43,7 +40,6 @@ FORK_LAYER_FIELDS = {
     **{f: DEEPLAB for f in ("dense_crf_param", "seg_accuracy_param", "mat_read_param",
                             "mat_write_param", "unique_label_param", "bias_channel_param",
                             "adaptive_bias_channel_param", "domain_transform_param")},
-    "bn_param": BN_FORKS,
     "dense_image_data_param": SEGNET,
     "reorg_param": YOLO2,
     "yolo_detection_output_param": MOBILE_YOLO,
@@ -66,18 +62,32 @@ def fork_of_field(field_name):
         if fork else None
 
 
-#: (layer type, field number in the fork, our field name): fork fields whose number BVLC Caffe
-#: gave to another LayerParameter field (DeepLab's interp_param is BVLC's input_param, 143;
-#: SegNet's upsample_param is BVLC's embed_param, 137).
-COLLIDING_FIELDS = (("Interp", 143, "interp_param"), ("Upsample", 137, "upsample_param"))
+#: (layer type, field number in the fork, our field name, the fork's message or None when it is
+#: ours): fork fields read by the layer's type from a .caffemodel. DeepLab's interp_param is
+#: BVLC's input_param (143) and SegNet's upsample_param BVLC's embed_param (137); SegNet's
+#: bn_param (45) numbers its fields unlike PSPNet's, whose number caffepar's schema holds.
+COLLIDING_FIELDS = (("Interp", 143, "interp_param", None),
+                    ("Upsample", 137, "upsample_param", None),
+                    ("BN", 45, "bn_param", "SegNetBNParameter"))
 
 
 def read_colliding_fields(layer, raw_fields):
-    """Set a layer's fork field from the raw bytes of the colliding field number, which
-    protobuf parsed as BVLC's field. `raw_fields` maps field number -> payload bytes of the
-    layer as written in the file."""
-    for type_name, number, name in COLLIDING_FIELDS:
-        if layer.type == type_name and number in raw_fields:
-            bvlc = caffe_pb2.LayerParameter.DESCRIPTOR.fields_by_number[number].name
-            layer.ClearField(bvlc)
-            getattr(layer, name).MergeFromString(raw_fields[number])
+    """Set a layer's fork field from the raw bytes of the fork's field number (which protobuf
+    parsed as BVLC's field, or kept as unknown). `raw_fields` maps field number -> payload
+    bytes of the layer as written in the file."""
+    by_number = caffe_pb2.LayerParameter.DESCRIPTOR.fields_by_number
+    for type_name, number, name, fork_message in COLLIDING_FIELDS:
+        if layer.type != type_name or number not in raw_fields:
+            continue
+        if number in by_number:
+            layer.ClearField(by_number[number].name)
+        target = getattr(layer, name)
+        if fork_message is None:
+            target.MergeFromString(raw_fields[number])
+            continue
+        fork = getattr(caffe_pb2, fork_message).FromString(raw_fields[number])
+        for field, value in fork.ListFields():
+            if field.message_type is not None:
+                getattr(target, field.name).CopyFrom(value)
+            else:
+                setattr(target, field.name, value)
