@@ -582,7 +582,7 @@ def test_depthwise_flops_count_one_input_channel_per_output():
 
 
 #: Fixtures OpenCV's dnn (4.x) runs as the forks do. The others: OpenCV has no
-#: DepthwiseConvolution or Upsample layer; its Interp ignores shrink_factor, pad_beg and pad_end
+#: DepthwiseConvolution, Upsample or BN layer; its Interp ignores shrink_factor, pad_beg and pad_end
 #: (DeepLab's rules, which caffepar follows: 10x12 zoomed by 2 after pads -1/-2 is 13x17, OpenCV
 #: gives 19x23); its Axpy scales the third bottom and adds the second, where SENet's layer
 #: computes a * bottom[1] + bottom[2] (the SE block's residual branch scaled, plus the shortcut).

@@ -156,3 +156,20 @@ def test_fork_layer_fixtures_export(path):
         return
     result = export_onnx(path, None)
     _check(result, inputs=fixture_inputs(result.net))
+
+
+def test_bn_exports_and_segnet_learn_mode_is_refused(tmp_path):
+    """PSPNet's BN at TEST (moving statistics, made non-trivial) is BatchNormalization."""
+    from caffepar.graph.net import TEST, Net
+    path = Path(__file__).parent / "fork_layers" / "bn_pspnet.prototxt"
+    net = Net(str(path), phase=TEST)
+    net.params["bn"][2].data[...] = RNG.standard_normal((1, 8, 1, 1))
+    net.params["bn"][3].data[...] = RNG.uniform(0.5, 2, (1, 8, 1, 1))
+    weights = tmp_path / "bn.caffemodel"
+    net.save(str(weights))
+    result = export_onnx(path, weights)
+    assert "BatchNormalization" in [n.op_type for n in result.model.graph.node]
+    _check(result)
+    text = (Path(__file__).parent / "fork_layers" / "bn_segnet.prototxt").read_text()
+    with pytest.raises(OnnxExportError, match=r'"bn" \(BN\): SegNet.s BN in LEARN mode'):
+        _export(tmp_path, text.replace("INFERENCE", "LEARN"))

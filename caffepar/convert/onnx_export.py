@@ -684,6 +684,22 @@ def _axpy(g, ctx):
     return [g.node("Add", [g.node("Mul", [a, x]), y], ctx.outs[0])]
 
 
+def _bn(g, ctx):
+    layer, x = ctx.layer, ctx.inputs[0]
+    if len(ctx.outs) > 1 or layer.batch_stats:
+        raise ctx.error("SegNet's BN in LEARN mode normalises by each batch's own statistics; "
+                        "fold them into the weights (bn_mode: INFERENCE) to export")
+    c = ctx.bottom_shapes[0][1]
+    scale, shift = (_blob(ctx, i).reshape(-1) for i in (0, 1))
+    if layer.segnet:
+        scaled = g.node("Mul", [x, g.const("scale", scale.reshape(1, c, 1, 1))])
+        return [g.node("Add", [scaled, g.const("shift", shift.reshape(1, c, 1, 1))],
+                       ctx.outs[0])]
+    inputs = [x, g.const("slope", scale), g.const("bias", shift),
+              g.const("mean", _blob(ctx, 2).reshape(-1)), g.const("var", _blob(ctx, 3).reshape(-1))]
+    return [g.node("BatchNormalization", inputs, ctx.outs[0], epsilon=float(layer.eps))]
+
+
 def _roi_pooling(g, ctx):
     layer = ctx.layer
     rois = g.node("Reshape", [ctx.inputs[1], g.ints("rows", [-1, 5])])
@@ -735,6 +751,7 @@ CONVERTERS = {
     "Upsample": _upsample,
     "ROIPooling": _roi_pooling,
     "Axpy": _axpy,
+    "BN": _bn,
 }
 """Caffe type string -> converter(graph, ctx) returning the ONNX names of the layer's tops."""
 
