@@ -77,10 +77,11 @@ CASES = {
      '        input_param { shape { dim: 1 } } }\n',
      "net.prototxt: error: no layer of the net is in phase TRAIN (level 0)"),
     ('layer { name: "a" type: "Foo" top: "a" }\n'
-     'layer { name: "b" type: "DepthwiseConvolution" bottom: "a" top: "b" }\n'
+     'layer { name: "b" type: "Reorg" bottom: "a" top: "b" }\n'
      'layer { name: "c" type: "Foo" bottom: "b" top: "c" }\n',
      'net.prototxt:1: error: unknown layer types: "Foo" (layer "a", line 1), '
-     '"DepthwiseConvolution" (layer "b", line 2), "Foo" (layer "c", line 3) (known types: '),
+     '"Reorg" (layer "b", line 2; a layer of the YOLOv2 ports of Caffe), "Foo" (layer "c", '
+     'line 3) (known types: '),
     ('layer { name: "in" type: "Input" top: "data" }\n'
      'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "y"\n'
      '        inner_product_param { num_output: 2 } }\n',

@@ -36,7 +36,6 @@ def _layer_cases():
 
 LAYER_CASES = _layer_cases()
 REFUSED = {
-    "pool_max_mask": "mask",
     "argmax_axis1_outmax": "ArgMax with an axis, top_k 1 and out_max_val false",
     "argmax_axis1_top2": "ArgMax with an axis, top_k 1",
     "argmax_top3_outmax": "ArgMax with an axis",

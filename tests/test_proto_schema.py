@@ -91,6 +91,43 @@ SSD_FACTS = {
 EXTENSIONS.update(SSD_FIELDS)
 EXTENSION_MESSAGES |= SSD_MESSAGES
 # ---- end of SSD fork fields ----
+# Fields of Caffe's forks: mobile, segmentation and detection layers (proto/README.md).
+FORK_FIELDS_MOBILE_SEGMENTATION_DETECTION = {
+    ("caffe.LayerParameter", "upsample_param"): 149,
+    ("caffe.LayerParameter", "shuffle_channel_param"): 164,
+    ("caffe.LayerParameter", "interp_param"): 2143,
+    ("caffe.LayerParameter", "psroi_pooling_param"): 10001,
+    ("caffe.LayerParameter", "roi_pooling_param"): 8266711,
+    ("caffe.PoolingParameter", "ceil_mode"): 1013,
+    ("caffe.LayerParameter", "bn_param"): 152,
+}
+EXTENSIONS.update(FORK_FIELDS_MOBILE_SEGMENTATION_DETECTION)
+EXTENSION_MESSAGES |= {"caffe.ShuffleChannelParameter", "caffe.InterpParameter",
+                       "caffe.UpsampleParameter", "caffe.ROIPoolingParameter",
+                       "caffe.PSROIPoolingParameter", "caffe.BNParameter",
+                       "caffe.SegNetBNParameter"}
+# Each fork's facts for its message ("name number type default"; PSROIPooling's fields are
+# `required` in R-FCN, optional here with the same bytes; UpsampleParameter.scale has SegNet's
+# default 2 and the YOLO ports' 1 there, none here: the layer takes the one of its form).
+FORK_MESSAGE_FACTS_MOBILE_SEGMENTATION_DETECTION = {
+    "ShuffleChannelParameter": ["group 1 uint32 1"],
+    "InterpParameter": ["height 1 int32 0", "width 2 int32 0", "zoom_factor 3 int32 1",
+                        "shrink_factor 4 int32 1", "pad_beg 5 int32 0", "pad_end 6 int32 0"],
+    "UpsampleParameter": ["scale 1 uint32 -", "scale_h 2 uint32 -", "scale_w 3 uint32 -",
+                          "pad_out_h 4 bool false", "pad_out_w 5 bool false",
+                          "upsample_h 6 uint32 -", "upsample_w 7 uint32 -"],
+    "ROIPoolingParameter": ["pooled_h 1 uint32 0", "pooled_w 2 uint32 0",
+                            "spatial_scale 3 float 1.0"],
+    "PSROIPoolingParameter": ["spatial_scale 1 float -", "output_dim 2 int32 -",
+                              "group_size 3 int32 -"],
+    # PSPNet's fields, then SegNet's under 1001-1003 (its own numbers in SegNetBNParameter).
+    "BNParameter": ["slope_filler 1 message -", "bias_filler 2 message -", "momentum 3 float 0.9",
+                    "eps 4 float 1e-05", "frozen 5 bool false", "engine 6 enum 0",
+                    "scale_filler 1001 message -", "shift_filler 1002 message -",
+                    "bn_mode 1003 enum 0"],
+    "SegNetBNParameter": ["scale_filler 1 message -", "shift_filler 2 message -",
+                          "bn_mode 3 enum 0"],
+}
 
 # sha256 of the canonical listing (see _caffe_fingerprint) of everything in
 # the schema except EXTENSIONS / EXTENSION_ENUMS. It was taken when the schema
@@ -439,3 +476,18 @@ def test_extensions_are_skipped_by_plain_caffe_schema():
     old_solver = plain("caffe.SolverParameter").FromString(solver.SerializeToString())
     assert old_solver.base_lr == pytest.approx(0.1)
     assert _unknown_field_numbers(old_solver) == [1000]
+
+
+def test_mobile_segmentation_detection_fork_messages_are_the_forks():
+    kinds = {2: "float", 5: "int32", 8: "bool", 11: "message", 13: "uint32", 14: "enum"}
+    for message, facts in FORK_MESSAGE_FACTS_MOBILE_SEGMENTATION_DETECTION.items():
+        descriptor = getattr(caffe_pb2, message).DESCRIPTOR
+        got = []
+        for f in sorted(descriptor.fields, key=lambda f: f.number):
+            assert not (f.is_repeated or f.is_required), f"{message}.{f.name}"
+            default = "-" if not f.has_default_value else \
+                repr(round(f.default_value, 7)) if f.type == 2 else str(f.default_value).lower()
+            got.append(f"{f.name} {f.number} {kinds[f.type]} {default}")
+        assert got == facts, message
+    ceil_mode = caffe_pb2.PoolingParameter.DESCRIPTOR.fields_by_name["ceil_mode"]
+    assert (ceil_mode.number, ceil_mode.type, ceil_mode.default_value) == (1013, 8, True)

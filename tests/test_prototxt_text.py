@@ -114,11 +114,27 @@ def test_a_file_over_the_limit_is_refused_in_one_line(tmp_path, monkeypatch):
 
 def test_a_fork_only_field_says_what_bvlc_caffe_writes_instead(tmp_path):
     path = tmp_path / "fork.prototxt"
-    path.write_text('layer { name: "p" type: "Pooling" bottom: "x" top: "y"\n'
-                    "  pooling_param { pool: MAX kernel_size: 3 stride: 2 ceil_mode: false } }\n")
+    path.write_text('layer { name: "c" type: "Convolution" bottom: "x" top: "y"\n'
+                    "  convolution_param { num_output: 3 kernel_size: 3 depthwise: true } }\n")
     with pytest.raises(PrototxtError) as info:
         read_net_text(path)
     text = str(info.value)
     assert text.startswith(f"{path}:2: error: syntax error: ")
-    assert '"ceil_mode"; ceil_mode is a field of a Caffe fork, not of BVLC Caffe: BVLC Caffe ' \
-           "writes round_mode: FLOOR" in text
+    assert '"depthwise"; depthwise is a field of a Caffe fork, not of BVLC Caffe: BVLC Caffe ' \
+           "runs a depthwise convolution as group equal to the channel count" in text
+
+
+@pytest.mark.parametrize("field,fork", [
+    ("reorg_param { stride: 2 }", "the YOLOv2 ports of Caffe"),
+    ("smooth_l1_loss_param { sigma: 3 }", "Fast/Faster R-CNN (rbgirshick/caffe-fast-rcnn)"),
+    ("dense_crf_param { max_iter: 10 }", "DeepLab v2 (deeplab-public-ver2)"),
+])
+def test_a_fork_layer_field_names_its_fork(tmp_path, field, fork):
+    path = tmp_path / "fork.prototxt"
+    path.write_text(f'layer {{ name: "l" type: "X" bottom: "x" top: "y"\n  {field} }}\n')
+    with pytest.raises(PrototxtError) as info:
+        read_net_text(path)
+    text = str(info.value)
+    assert text.startswith(f"{path}:2: error: syntax error: ")
+    name = field.split()[0]
+    assert f"{name} is a field of {fork}, a Caffe fork; caffepar does not read it" in text

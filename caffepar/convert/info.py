@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from caffepar.io.weights import _shape_str
+from caffepar.nn.vision import _ConvolutionBase
 
 __all__ = ["LayerInfo", "NetInfo", "net_info", "format_info", "layer_flops"]
 
@@ -52,9 +53,9 @@ def layer_flops(layer, bottom_shapes, top_shapes):
     output value, layers that only move data count nothing."""
     t = layer.type
     out = _count(top_shapes[0]) if top_shapes else 0
-    if t in ("Convolution", "Deconvolution"):
+    if isinstance(layer, _ConvolutionBase):     # the forks' depthwise types too
         per_output = int(np.prod(layer.kernel)) * (layer.channels // layer.group)
-        if t == "Convolution":
+        if not layer.transposed:
             macs = out * per_output
         else:
             # Deconvolution scatters each input value over kernel x outputs/group.
@@ -77,11 +78,11 @@ def layer_flops(layer, bottom_shapes, top_shapes):
     if t == "BatchNorm":
         return 2 * out
     if t in ("Scale", "Bias", "ReLU", "PReLU", "ELU", "Sigmoid", "TanH", "AbsVal", "Power",
-             "Exp", "Log", "BNLL", "Threshold", "Clip", "Swish", "MVN", "Reduction"):
+             "Exp", "Log", "BNLL", "Threshold", "Clip", "Swish", "MVN", "Reduction", "ReLU6"):
         return out * (2 if t == "Scale" and len(layer.blobs) > 1 else 1)
     if t in ("Input", "DummyData", "Data", "ImageData", "HDF5Data", "MemoryData", "Split",
              "Concat", "Slice", "Flatten", "Reshape", "Dropout", "Silence", "Crop", "Tile",
-             "Parameter", "Filter", "BatchReindex", "Python"):
+             "Parameter", "Filter", "BatchReindex", "Python", "ShuffleChannel"):
         return 0
     return out
 

@@ -85,11 +85,16 @@ class _Graph:
     def node(self, op, inputs, out=None, **attrs):
         """Add one node; returns its (single) output name, `out` if given."""
         out = out or self.fresh(f"{self.layer_name}/{op}")
-        self.used.add(out)
-        self.nodes.append(self.helper.make_node(op, list(inputs), [out],
+        return self.node_outputs(op, inputs, [out], **attrs)[0]
+
+    def node_outputs(self, op, inputs, outs, **attrs):
+        """Add one node with the given output names (None: a fresh one); returns them."""
+        outs = [o or self.fresh(f"{self.layer_name}/{op}") for o in outs]
+        self.used.update(outs)
+        self.nodes.append(self.helper.make_node(op, list(inputs), outs,
                                                 name=self.fresh(f"{self.layer_name}/{op}_node"),
                                                 **attrs))
-        return out
+        return outs
 
 
 @dataclass
@@ -189,16 +194,16 @@ def _pooling(g, ctx):
     method = p.pool
     if method == PP.STOCHASTIC:
         raise ctx.error("STOCHASTIC pooling (random at TRAIN, weighted at TEST) has no ONNX form")
-    if len(ctx.outs) > 1:
-        raise ctx.error("the MAX pooling mask top (argmax indices) has no ONNX equivalent "
-                        "with Caffe's index layout")
+    mask = len(ctx.outs) > 1
     n, c, h, w = ctx.bottom_shapes[0]
     geom = layer.geom
     kh, kw, ph, pw, sh, sw = geom.kh, geom.kw, geom.ph, geom.pw, geom.sh, geom.sw
     oh, ow = ctx.top_shapes[0][2], ctx.top_shapes[0][3]
     free = set(ctx.free_axes()) & {2, 3}
-    if p.global_pooling or (not free and kh == h and kw == w and ph == pw == 0
-                            and oh == ow == 1):
+    if mask and free:
+        raise ctx.error("the MAX pooling mask top over a free height or width is not exported")
+    if not mask and (p.global_pooling or (not free and kh == h and kw == w and ph == pw == 0
+                                          and oh == ow == 1)):
         op = "GlobalMaxPool" if method == PP.MAX else "GlobalAveragePool"
         return [g.node(op, [ctx.inputs[0]], ctx.outs[0])]
     if free:
@@ -219,6 +224,8 @@ def _pooling(g, ctx):
                            g.const("fill", np.array(fill, np.float32))], mode="constant")
     op = "MaxPool" if method == PP.MAX else "AveragePool"
     attrs = dict(kernel_shape=[kh, kw], strides=[sh, sw])
+    if mask:
+        return _caffe_mask(g, ctx, x, attrs, need_w, ph, pw, h, w)
     if method == PP.MAX:
         return [g.node(op, [x], ctx.outs[0], **attrs)]
     div = np.outer(_caffe_ave_divisors(h, kh, ph, sh, oh), _caffe_ave_divisors(w, kw, pw, sw, ow))
@@ -228,6 +235,20 @@ def _pooling(g, ctx):
     pooled = g.node(op, [x], **attrs)
     return [g.node("Mul", [pooled, g.const("ave_divisor_fix", correction.reshape(1, 1, oh, ow))],
                    ctx.outs[0])]
+
+
+def _caffe_mask(g, ctx, x, attrs, padded_w, ph, pw, h, w):
+    """MaxPool with Indices, turned into Caffe's mask: ONNX counts each argmax over the whole
+    (padded, cropped) tensor, Caffe within the plane of the unpadded input, as a float."""
+    pooled, flat = g.node_outputs("MaxPool", [x], [ctx.outs[0], None], **attrs)
+    padded_h = (ctx.top_shapes[0][2] - 1) * attrs["strides"][0] + attrs["kernel_shape"][0]
+    within = g.node("Mod", [flat, g.ints("plane", padded_h * padded_w)])
+    width = g.ints("padded_width", padded_w)
+    row = g.node("Div", [within, width])
+    col = g.node("Mod", [within, width])
+    index = g.node("Add", [g.node("Mul", [row, g.ints("width", w)]), col])
+    index = g.node("Sub", [index, g.ints("pad_offset", ph * w + pw)])
+    return [pooled, g.node("Cast", [index], ctx.outs[1], to=1)]
 
 
 def _pooling_free_size(g, ctx, method, geom):
@@ -580,6 +601,112 @@ def _argmax(g, ctx):
     return [g.node("Cast", [idx], ctx.outs[0], to=1)]
 
 
+# ------------------------------------------------------------------------ Caffe forks' layers
+def _relu6(g, ctx):
+    return [g.node("Clip", [ctx.inputs[0], g.const("min", np.array(0, np.float32)),
+                            g.const("max", np.array(6, np.float32))], ctx.outs[0])]
+
+
+def _shuffle_channel(g, ctx):
+    x, group = ctx.inputs[0], ctx.layer.group
+    c = ctx.bottom_shapes[0][1]
+    grouped = g.node("Reshape", [x, g.ints("grouped", [0, group, c // group, -1])])
+    moved = g.node("Transpose", [grouped], perm=[0, 2, 1, 3])
+    return [g.node("Reshape", [moved, g.node("Shape", [x])], ctx.outs[0])]
+
+
+def _sizes(g, ctx, spatial):
+    """Resize/MaxUnpool's output shape: the bottom's batch and channels (free or not) and the
+    given spatial sizes (a tensor of two int64, or a list)."""
+    head = g.node("Slice", [g.node("Shape", [ctx.inputs[0]]), g.ints("first", [0]),
+                            g.ints("second", [2])])
+    tail = spatial if isinstance(spatial, str) else g.ints("spatial", spatial)
+    return g.node("Concat", [head, tail], axis=0)
+
+
+def _interp(g, ctx):
+    """DeepLab's Interp is bilinear with corners aligned: Resize linear, align_corners, after
+    Slice for the (negative) pads."""
+    layer, x = ctx.layer, ctx.inputs[0]
+    if len(ctx.inputs) == 2:
+        spatial = g.node("Slice", [g.node("Shape", [ctx.inputs[1]]), g.ints("from", [2]),
+                                   g.ints("to", [4])])
+    else:
+        if {2, 3} & set(ctx.free_axes()):
+            raise ctx.error("Interp's output size follows a free height or width by its zoom "
+                            "or shrink rule; export with a fixed size")
+        spatial = [layer.h_out, layer.w_out]
+    if layer.pad_beg or layer.pad_end:
+        h, w = ctx.bottom_shapes[0][2:]
+        o = -layer.pad_beg
+        x = g.node("Slice", [x, g.ints("starts", [o, o]),
+                             g.ints("ends", [o + layer.h_in, o + layer.w_in]),
+                             g.ints("axes", [2, 3])])
+    return [g.node("Resize", [x, "", "", _sizes(g, ctx, spatial)], ctx.outs[0], mode="linear",
+                   coordinate_transformation_mode="align_corners")]
+
+
+def _upsample(g, ctx):
+    layer, x = ctx.layer, ctx.inputs[0]
+    if not layer.unpool:        # the YOLO ports' nearest-neighbour form
+        s = float(layer.scale)
+        return [g.node("Resize", [x, "", g.const("scales", [1, 1, s, s])], ctx.outs[0],
+                       mode="nearest", coordinate_transformation_mode="asymmetric",
+                       nearest_mode="floor")]
+    # SegNet's: Caffe's mask holds indices within each (H, W) plane, ONNX's MaxUnpool indices
+    # into the whole tensor, so each plane's offset is added.
+    c = ctx.bottom_shapes[0][1]
+    oh, ow = ctx.top_shapes[0][2:]
+    if {2, 3} & set(ctx.free_axes()):
+        raise ctx.error("SegNet's Upsample over a free height or width is not exported")
+    plane = oh * ow
+    n = g.node("Slice", [g.node("Shape", [x]), g.ints("first", [0]), g.ints("one", [1])])
+    images = g.node("Range", [g.const("zero", np.array(0, np.int64), np.int64),
+                              g.node("Squeeze", [n, g.ints("axis", [0])]),
+                              g.const("step", np.array(1, np.int64), np.int64)])
+    image_offset = g.node("Mul", [g.node("Reshape", [images, g.ints("column", [-1, 1, 1, 1])]),
+                                  g.const("image", np.array(c * plane, np.int64), np.int64)])
+    channel_offset = g.const("channel", (np.arange(c) * plane).reshape(1, c, 1, 1), np.int64)
+    index = g.node("Add", [g.node("Add", [g.node("Cast", [ctx.inputs[1]], to=7), image_offset]),
+                           channel_offset])
+    # The scatter follows the indices alone; kernel and stride only bound the output size,
+    # which onnxruntime wants at least (in - 1) * stride + kernel: stride 1 and the kernel
+    # that makes that the top's size.
+    h, w = ctx.bottom_shapes[0][2:]
+    return [g.node("MaxUnpool", [x, index, _sizes(g, ctx, [oh, ow])], ctx.outs[0],
+                   kernel_shape=[oh - h + 1, ow - w + 1], strides=[1, 1])]
+
+
+def _axpy(g, ctx):
+    a, x, y = ctx.inputs
+    rank = len(ctx.bottom_shapes[1])
+    a = g.node("Reshape", [a, g.ints("scale_shape", [0, 0] + [1] * (rank - 2))])
+    return [g.node("Add", [g.node("Mul", [a, x]), y], ctx.outs[0])]
+
+
+def _bn(g, ctx):
+    layer, x = ctx.layer, ctx.inputs[0]
+    if len(ctx.outs) > 1 or layer.batch_stats:
+        raise ctx.error("SegNet's BN in LEARN mode normalises by each batch's own statistics; "
+                        "fold them into the weights (bn_mode: INFERENCE) to export")
+    c = ctx.bottom_shapes[0][1]
+    scale, shift = (_blob(ctx, i).reshape(-1) for i in (0, 1))
+    if layer.segnet:
+        scaled = g.node("Mul", [x, g.const("scale", scale.reshape(1, c, 1, 1))])
+        return [g.node("Add", [scaled, g.const("shift", shift.reshape(1, c, 1, 1))],
+                       ctx.outs[0])]
+    inputs = [x, g.const("slope", scale), g.const("bias", shift),
+              g.const("mean", _blob(ctx, 2).reshape(-1)), g.const("var", _blob(ctx, 3).reshape(-1))]
+    return [g.node("BatchNormalization", inputs, ctx.outs[0], epsilon=float(layer.eps))]
+
+
+def _roi_pooling(g, ctx):
+    layer = ctx.layer
+    rois = g.node("Reshape", [ctx.inputs[1], g.ints("rows", [-1, 5])])
+    return [g.node("MaxRoiPool", [ctx.inputs[0], rois], ctx.outs[0],
+                   pooled_shape=list(layer.pooled), spatial_scale=float(layer.scale))]
+
+
 CONVERTERS = {
     "Convolution": _convolution,
     "Deconvolution": _deconvolution,
@@ -615,6 +742,16 @@ CONVERTERS = {
     "Reduction": _reduction,
     "Tile": _tile,
     "ArgMax": _argmax,
+    # Caffe forks' layers
+    "ConvolutionDepthwise": _convolution,
+    "DepthwiseConvolution": _convolution,
+    "ReLU6": _relu6,
+    "ShuffleChannel": _shuffle_channel,
+    "Interp": _interp,
+    "Upsample": _upsample,
+    "ROIPooling": _roi_pooling,
+    "Axpy": _axpy,
+    "BN": _bn,
 }
 """Caffe type string -> converter(graph, ctx) returning the ONNX names of the layer's tops."""
 
@@ -644,6 +781,7 @@ UNSUPPORTED = {
     "BatchReindex": "BatchReindex is not exported",
     "Parameter": "Parameter is not exported",
     "Input": "",
+    "PSROIPooling": "position-sensitive ROI pooling (R-FCN) has no standard ONNX operator",
 }
 """Caffe types refused, with the reason the error gives."""
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from caffepar.errors import MissingFileError, WeightsError
 from caffepar.proto import caffe_pb2
+from caffepar.proto.forks import COLLIDING_FIELDS, read_colliding_fields
 from caffepar.proto.upgrade import upgrade_net
 
 # Field numbers of Caffe's schema that the walker needs.
@@ -199,6 +200,7 @@ def _read_binary(path):
         raise WeightsError(f"not a Caffe NetParameter: {e}", path=path) from None
     if not net.layer and not net.layers and buf:
         raise WeightsError("holds no layers; not a caffemodel", path=path)
+    _read_fork_fields(net, [body for n, body, _ in layers if n == NET_LAYER])
     has_v1 = bool(net.layers)
     names = [lp.name for lp in (net.layers if has_v1 else net.layer)]
     types = [lp.type for lp in (net.layers if has_v1 else net.layer)]
@@ -209,6 +211,17 @@ def _read_binary(path):
             types = [lp.type for lp in upgraded.layer]
         net = upgraded
     return CaffeModel(path, [(n, t, b) for n, t, b in zip(names, types, layer_blobs)], net)
+
+
+def _read_fork_fields(net, bodies):
+    """Fork fields under a number BVLC Caffe gave to another field, read by the layer's type."""
+    wanted = {entry[1] for entry in COLLIDING_FIELDS}
+    types = {entry[0] for entry in COLLIDING_FIELDS}
+    for layer, body in zip(net.layer, bodies):
+        if layer.type in types:
+            raw = {n: body[s:e] for n, w, _v, s, e, _f in _fields(body, 0, len(body))
+                   if w == 2 and n in wanted}
+            read_colliding_fields(layer, raw)
 
 
 def _read_binary_slow(path, buf):

@@ -3,6 +3,7 @@ imports them all, so the registry is complete."""
 from caffepar.nn import (common, data, inner_product, loss, neuron,  # noqa: F401
                          normalization, pooling, python_layer, recurrent, ssd, vision,
                          window_data)
+from caffepar.nn import detection, mobile, segmentation, senet  # noqa: F401  (Caffe forks')
 from caffepar.nn.base import LAYERS, Layer, layer_class, register
 
 

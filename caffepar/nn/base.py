@@ -6,6 +6,7 @@ import numpy as np
 from caffepar.blob import Blob, BlobVec
 from caffepar.errors import LayerError, NetError
 from caffepar.fillers import fill, filling
+from caffepar.proto.forks import FORK_LAYER_TYPES, fork_of_type
 
 LAYERS = {}
 
@@ -47,7 +48,8 @@ def layer_class(type_name, layer_name=None, line=None, path=None):
         close = _spelling_of(type_name)
         raise NetError(f'unknown layer type "{type_name}" (known types: {", ".join(sorted(LAYERS))})',
                        path=path, line=line, layer=layer_name,
-                       hint=f'did you mean "{close}"?' if close else None)
+                       hint=fork_of_type(type_name) or (f'did you mean "{close}"?' if close
+                                                        else None))
     return cls
 
 
@@ -63,8 +65,9 @@ def check_layer_types(layer_params, source_map=None):
     for lp, line in zip(unknown, lines):
         where = f'layer "{lp.name}"' + (f", line {line}" if line else "")
         close = _spelling_of(lp.type)
-        parts.append(f'"{lp.type}" ({where}' + (f'; did you mean "{close}"?' if close else "")
-                     + ")")
+        fork = FORK_LAYER_TYPES.get(lp.type)
+        parts.append(f'"{lp.type}" ({where}' + (f"; a layer of {fork}" if fork else "")
+                     + (f'; did you mean "{close}"?' if close and not fork else "") + ")")
     kinds = len({lp.type for lp in unknown})
     raise NetError(f"unknown layer type{'s' if kinds > 1 else ''}: {', '.join(parts)} (known "
                    f"types: {', '.join(sorted(LAYERS))})", path=path, line=lines[0])

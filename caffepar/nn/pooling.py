@@ -395,7 +395,11 @@ class PoolingLayer(Layer):
         if (ph or pw) and (ph >= kh or pw >= kw):
             raise self.error(f"pad must be smaller than the kernel, got pad {ph}x{pw} for kernel "
                              f"{kh}x{kw}")
-        self.geom = PoolGeometry(kh, kw, ph, pw, sh, sw, p.round_mode == PP.CEIL)
+        if p.HasField("ceil_mode") and p.HasField("round_mode"):
+            raise self.error("sets both ceil_mode (a field of Caffe forks) and round_mode "
+                             "(BVLC Caffe's); give one")
+        ceil = p.ceil_mode if p.HasField("ceil_mode") else p.round_mode == PP.CEIL
+        self.geom = PoolGeometry(kh, kw, ph, pw, sh, sw, ceil)
 
     def reshape(self, bottom, top):
         if bottom[0].num_axes != 4:

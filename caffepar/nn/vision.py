@@ -69,8 +69,8 @@ class _ConvolutionBase(Layer):
                              f"{self.axis}")
         self.kernel, self.stride, self.pad, self.dilation = _geometry(self, p, self.num_spatial)
         self.channels = bottom[0].shape[self.axis]
-        self.num_output = self.positive(p.num_output, "num_output")
-        self.group = self.positive(p.group, "group")
+        self.num_output = self.positive(self.conv_num_output(p), "num_output")
+        self.group = self.positive(self.conv_group(p), "group")
         if self.channels % self.group:
             raise self.error(f"input channels ({self.channels}) must be divisible by group "
                              f"({self.group})")
@@ -89,6 +89,12 @@ class _ConvolutionBase(Layer):
         self.add_param_blob(wshape, p.weight_filler)
         if self.bias_term:
             self.add_param_blob((self.num_output,), p.bias_filler)
+
+    def conv_num_output(self, p):
+        return p.num_output
+
+    def conv_group(self, p):
+        return p.group
 
     def output_spatial(self, spatial):
         raise NotImplementedError

@@ -12,7 +12,7 @@ from google.protobuf import message as pb_message
 from google.protobuf import text_format
 
 from caffepar.errors import MissingFileError, PrototxtError
-from caffepar.proto import caffe_pb2
+from caffepar.proto import caffe_pb2, forks
 
 
 @dataclass
@@ -147,8 +147,6 @@ def _parts(text, chunk_chars):
 #: Fields that Caffe forks added and BVLC Caffe (hence caffepar) does not have, with what
 #: BVLC Caffe says instead.
 FORK_FIELDS = {
-    ("PoolingParameter", "ceil_mode"): "BVLC Caffe writes round_mode: FLOOR for "
-                                       "ceil_mode: false (CEIL, the default, for true)",
     ("ConvolutionParameter", "depthwise"): "BVLC Caffe runs a depthwise convolution as group "
                                            "equal to the channel count",
 }
@@ -158,7 +156,8 @@ def _fork_field_hint(message):
     for (owner, name), hint in FORK_FIELDS.items():
         if f'"caffe.{owner}" has no field named "{name}"' in message:
             return f"{name} is a field of a Caffe fork, not of BVLC Caffe: {hint}"
-    return None
+    match = re.search(r'"caffe\.(?:V1)?LayerParameter" has no field named "(\w+)"', message)
+    return forks.fork_of_field(match.group(1)) if match else None
 
 
 def _merge(text, message, path, first_line):
