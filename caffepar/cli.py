@@ -593,6 +593,14 @@ def calibrate_cmd(ctx, ranks, transport, output, max_mb, repeats, mpiexec):
         say(f"wrote {output} (fits at P={', '.join(map(str, sorted(model.fits)))})")
 
 
+def _add_netlab():
+    from caffepar.netlab import netlab_group
+    cli.add_command(netlab_group)
+
+
+_add_netlab()
+
+
 @cli.group("convert")
 def convert_group():
     """Convert Caffe models: upgrade old formats, inspect, change weight formats, export ONNX."""
