@@ -355,3 +355,37 @@ def test_link_down_mid_run_ends_the_job_naming_the_ranks(tmp_path, lab):
     lines = [line for line in out.splitlines() if "watchdog" in line]
     assert lines and all("ended the job" in line for line in lines), out[-3000:]
     assert any("rank 1 (node1) does not answer" in line for line in lines), lines
+
+
+@need_lab
+@need_mpi
+def test_link_slowed_mid_run_the_run_finishes(tmp_path, lab):
+    """node1's link cut 10x (1 Gbit/s to 100 Mbit/s) mid-run: the run goes on to its end."""
+    one = lab(link="1gbit")
+    sys.path.insert(0, str(HERE))
+    from test_jobs import workdir
+    folder = workdir(tmp_path, max_iter=60, sleep=0.02)
+    run = LabRun(folder, one.name, train=("--watchdog", "30"))
+    try:
+        run.wait_iterations()
+        netlab.shape(one, 1, 100_000_000)
+        code = run.finish(60)
+    finally:
+        run.kill()
+    assert code == 0, run.output[-3000:]
+    assert "Optimization Done." in run.output
+    assert [q > 0 for q in netlab.qdisc_bytes(one, 1)] == [True, True]
+
+
+@pytest.mark.skip(reason="needs a straggler warning from the watchdog (a collective far "
+                         "slower than its usual time names the slow rank), not there yet")
+def test_link_slowed_mid_run_names_the_slow_rank(tmp_path, lab):
+    one = lab(link="1gbit")
+    sys.path.insert(0, str(HERE))
+    from test_jobs import workdir
+    folder = workdir(tmp_path, max_iter=60, sleep=0.02)
+    run = LabRun(folder, one.name, train=("--watchdog", "30"))
+    run.wait_iterations()
+    netlab.shape(one, 1, 10_000_000)
+    assert run.finish(120) == 0
+    assert any("rank 1" in line and "slow" in line for line in run.output.splitlines())
