@@ -80,7 +80,8 @@ def cost_options(fn):
         click.option("--calibration", type=click.Path(dir_okay=False), default=None,
                      help="A calibration file written by `caffepar calibrate`."),
         click.option("--network", default=None,
-                     help="A cluster network preset: 10gbe, 25gbe or 100gb-ib."),
+                     help="A cluster network preset: 10gbe, 25gbe, 100gb-ib, or the network "
+                          "lab's measured links lab-100mbit, lab-1gbit."),
         click.option("--alpha", type=float, default=None,
                      help="Latency per message hop in seconds (with --beta)."),
         click.option("--beta", type=float, default=None,

@@ -100,6 +100,7 @@ def missing_privileges():
 
 
 def effective_capabilities():
+    """This process's effective capability bits (all of them for root where /proc is absent)."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
             for line in f:
@@ -260,8 +261,7 @@ def down(name):
 
 
 def counters(lab):
-    """{node: (bytes the node sent, bytes it received)} over its link, read at the hub's end,
-    and the tbf qdiscs' byte counts of both ends."""
+    """{node: (bytes the node sent, bytes it received)} over its link, read at the hub's end."""
     out = {}
     for node in range(lab.nodes):
         hub_side = _link_stats(lab.hub, f"n{node}")

@@ -88,7 +88,7 @@ def campaign(top_rate):
             out.append(piece("time", net="vgg16", mode="DATA", rate=rate, batch=2,
                              options=opts, iterations=3))
     out.append(piece("time", net="vgg16", mode="DATA", rate="1gbit", batch=2, nodes=2,
-                     ranks_per_node=2, options="--hierarchical --ranks-per-node 2",
+                     ranks_per_node=2, options="--hierarchical",
                      iterations=3))
     for batch in (8, 16, 32):
         for net in NETS:
@@ -201,7 +201,7 @@ def parse_time(out):
             "comm_mb": round(float(comm.group(2)), 1) if comm else ""}
 
 
-def run_piece(p, lock):
+def run_piece(p):
     from bench_comm_opt import cpu_busy
     row = {f: p.get(f, "") for f in FIELDS}
     busy = cpu_busy(2.0)
@@ -212,8 +212,6 @@ def run_piece(p, lock):
         cmd = [sys.executable, __file__, "--probe", p["rate"]]
     else:
         cmd = command(p)
-    if lock:
-        cmd = ["flock", "-x", lock] + cmd
     started = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=STATE,
                           timeout=15 * 60)
@@ -266,10 +264,12 @@ def top_rate(done):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lock", help="Hold this file's exclusive flock during each piece.")
+    ap.add_argument("--lock", help="Hold this file's exclusive flock while measuring, in "
+                    "stretches of about 10 minutes.")
     ap.add_argument("--until", help="Start no piece after this UTC time (HH:MM).")
     ap.add_argument("--only", help="Measure only pieces of this kind.")
     ap.add_argument("--report", action="store_true", help="Only write the results.")
+    ap.add_argument("--stretch", type=float, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.probe:
@@ -282,6 +282,7 @@ def main():
         if message:
             sys.exit(message)
         failed = set()
+        began = time.monotonic()
         while True:
             done = read_pieces()
             todo = [p for p in campaign(top_rate(done))
@@ -292,10 +293,26 @@ def main():
             if args.until and time.strftime("%H:%M", time.gmtime()) >= args.until:
                 print(f"stopping: it is past {args.until} UTC", flush=True)
                 break
-            row = run_piece(todo[0], args.lock)
+            if args.lock:
+                # hold the lock for a stretch of pieces (<= --stretch minutes), then let
+                # the machine's other jobs in
+                subprocess.run(["flock", "-x", args.lock, sys.executable, __file__,
+                                "--stretch", "10"]
+                               + (["--until", args.until] if args.until else [])
+                               + (["--only", args.only] if args.only else []))
+                if len(todo) == len([p for p in todo if (read_pieces().get(p["key"]) or {})
+                                     .get("status") != "ok"]):
+                    print("a stretch measured nothing new: stopping", flush=True)
+                    break
+                continue
+            row = run_piece(todo[0])
             append_piece(row)
             if row["status"] != "ok":
                 failed.add(row["key"])      # retried by the next run of the script
+            if args.stretch and time.monotonic() - began > 60 * args.stretch:
+                return
+    if args.stretch:
+        return
     done = read_pieces()
     write_report(done, campaign(top_rate(done)))
 
@@ -361,7 +378,8 @@ def write_report(done, pieces):
     md = ["# caffepar on the network lab: measured beside the cost model", "",
           "Produced by `python scripts/netlab_campaign.py --report` from the pieces "
           "`scripts/netlab_campaign.py` measured (run as root; it resumes where it stopped). "
-          f"CPU: {_cpu_name()}, {os.cpu_count()} cores for every node and rank together "
+          f"CPU: {cpu_description(_cpu_name())}, {os.cpu_count()} cores for every node and "
+          "rank together "
           "(the lab's nodes are network namespaces of one machine). Each piece held an "
           "exclusive lock against the machine's other timed jobs; the CPU others used in "
           "the 2 s before each piece "
@@ -375,6 +393,7 @@ def write_report(done, pieces):
           "one-thread profile of the net at that batch, measured here; x P/cores where ranks "
           "outnumber cores) + communication (the cost model fitted on the lab's link at that "
           "rate), added without overlap.", ""]
+    md += findings(get, rows)
     # ---- the links
     md += ["## The links", "", "One TCP stream, node0 to node1, 256 MiB (best of 3):", "",
            "| link | Mbit/s filled | of the rate |", "|---|---|---|"]
@@ -436,6 +455,7 @@ def write_report(done, pieces):
                 md.append(f"| {rate} | {batch} | {cell(k('DATA'))} | {cell(k('HYBRID'))} | "
                           f"{cell(k('AUTO'))} | {ratio} | {vs} |")
             md.append("")
+    md += fc_section()
     opts = [r for r in rows if r["options"] != "-"]
     if opts:
         md += ["## Communication options against plain DATA (VGG-16, batch 2 per rank)", "",
@@ -466,6 +486,104 @@ def write_report(done, pieces):
     if rows:
         plot(rows)
     print(f"{len(pieces) - len(missing)} of {len(pieces)} pieces done; wrote results/netlab.*")
+
+
+def fc_section(rate="1gbit"):
+    """The paper's Fig. 14-16 on the lab (P=2) beside shm and TCP loopback (results/fc_comm.csv)
+    and the paper's winners; AUTO's choice from the lab's calibration."""
+    import reproduce_fc_comm as fc
+    from caffepar.parallel.cost import CostModel
+    t = f"netlab_{rate}"
+    if not (fc.STATE / f"{t}_p2.csv").exists():
+        return []
+    rows = [r for r in fc.read_rows([t, "shm", "tcp"], [2])]
+    models = {t: CostModel.load(calibration_file(rate))} if calibration_file(rate).exists() \
+        else {}
+    cells = {(c["layer"], c["transport"], c["batch"]): c for c in fc.summarize(rows, models)}
+    out = [f"## VGG-16's fc6, fc7, fc8: DATA vs MODEL communication on {rate} links (Fig. "
+           "14-16), P=2", "",
+           "Communication ms per iteration of the layer alone (`scripts/reproduce_fc_comm.py "
+           f"--transports {t} --ranks 2`: slowest rank, median of 5 after 2 warm-ups), each "
+           "cell DATA / MODEL and the faster; beside the same sweep over shared memory and "
+           "TCP loopback (results/fc_comm.csv) and the paper's winner. AUTO: the mode the "
+           "cost model fitted on the lab's link picks.", "",
+           "| layer | batch | lab DATA / MODEL ms | lab | AUTO | paper | shm | tcp loopback |",
+           "|---|---|---|---|---|---|---|---|"]
+    agree = auto = n = 0
+    for layer in fc.LAYERS:
+        for batch in fc.BATCHES:
+            c = cells.get((layer, t, batch))
+            if not c:
+                continue
+            n += 1
+            agree += c["measured_winner"] == c["paper_winner"]
+            auto += c.get("auto_choice") == c["measured_winner"]
+            other = {tr: (cells.get((layer, tr, batch)) or {}).get("measured_winner", "-")
+                     for tr in ("shm", "tcp")}
+            out.append(f"| {layer} | {batch} | {c['data_ms']:.1f} / {c['model_ms']:.1f} | "
+                       f"{c['measured_winner']} | {c.get('auto_choice', '-')} | "
+                       f"{c['paper_winner']} | {other['shm']} | {other['tcp']} |")
+    out += ["", f"The lab's winner agrees with the paper's in {agree} of {n} cells"
+            + (f"; AUTO picks the lab's faster mode in {auto} of {n}." if models else "."), ""]
+    return out
+
+
+def cpu_description(name):
+    """The CPU's name with its family, model and widest vector extension (the name alone can
+    be as vague as "AMD EPYC")."""
+    info = {}
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return name
+    flags = info.get("flags", "").split()
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name} (family {info.get('cpu family', '?')}, model {info.get('model', '?')}, " \
+           f"{vector})"
+
+
+def findings(get, rows):
+    """The issue's goals, checked on what is measured."""
+    out = ["## What it shows", ""]
+    ratios = []
+    for batch in (1, 2, 4):
+        d = get.get(("vgg16", "DATA", "-", 2, 1, "1gbit", batch))
+        h = get.get(("vgg16", "HYBRID", "-", 2, 1, "1gbit", batch))
+        if d and h:
+            ratios.append((batch, h["measured_ms"] / d["measured_ms"], h, d))
+    if ratios:
+        met = all(r <= 0.5 for _b, r, _h, _d in ratios)
+        out.append("- Goal HYBRID <= 0.5x DATA, VGG-16, P=2 (2 nodes x 1 rank), 1 Gbit/s, "
+                   "batch <= 4 per rank, measured side by side in one campaign: "
+                   + ", ".join(f"batch {b}: {h['measured_ms']:.0f} / {d['measured_ms']:.0f} ms"
+                               f" = **{r:.2f}x**" for b, r, h, d in ratios)
+                   + (" - met." if met else " - NOT met at every batch."))
+    cells = {}
+    for r in rows:
+        if r["options"] == "-":
+            cells.setdefault((r["net"], r["nodes"], r["ranks_per_node"], r["rate"],
+                              r["batch"]), {})[r["mode"]] = r["measured_ms"]
+    full = {k: v for k, v in cells.items() if len(v) == 3}
+    if full:
+        worst = max(full.items(), key=lambda kv: kv[1]["AUTO"] / min(kv[1]["DATA"],
+                                                                     kv[1]["HYBRID"]))
+        over = [k for k, v in full.items() if v["AUTO"] > 1.05 * min(v["DATA"], v["HYBRID"])]
+        ratio = worst[1]["AUTO"] / min(worst[1]["DATA"], worst[1]["HYBRID"])
+        out.append(f"- Goal AUTO never more than 5% slower than the better of DATA and HYBRID: "
+                   f"{len(full) - len(over)} of {len(full)} measured cells; the worst "
+                   f"{ratio:.2f}x ({worst[0][0]}, {worst[0][1]}x{worst[0][2]}, {worst[0][3]}, "
+                   f"batch {worst[0][4]})"
+                   + ("" if not over else "; over 5%: " + ", ".join(
+                       f"{k[0]} {k[3]} batch {k[4]} ({k[1]}x{k[2]})" for k in over)) + ".")
+    errs = [abs(r["error_pct"]) for r in rows if r["error_pct"] != ""]
+    if errs:
+        errs.sort()
+        out.append(f"- The cost model's prediction of the iteration: median absolute error "
+                   f"{errs[len(errs) // 2]:.0f}%, largest {errs[-1]:.0f}% over {len(errs)} "
+                   "runs (per row in the tables below).")
+    return out + [""]
 
 
 def plot(rows):

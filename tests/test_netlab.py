@@ -335,12 +335,12 @@ def _cwd_is(proc_dir, folder):
 @need_lab
 @need_mpi
 def test_link_down_mid_run_ends_the_job_naming_the_ranks(tmp_path, lab):
-    """node1's link goes down mid-run: within the watchdog (5 s here) plus the time to ask
+    """node1's link goes down mid-run: within the watchdog (3 s here) plus the time to ask
     the other ranks and to end mpiexec, the job ends with status 1 and one line per cause
     naming the ranks that stopped answering, with their nodes."""
     one = lab(link="1gbit")
     folder = train_folder(tmp_path)
-    run = LabRun(folder, one.name, train=("--watchdog", "5"))
+    run = LabRun(folder, one.name, train=("--watchdog", "3"))
     try:
         run.wait_iterations()
         netlab.set_link(one, 1, "down")
@@ -351,7 +351,7 @@ def test_link_down_mid_run_ends_the_job_naming_the_ranks(tmp_path, lab):
         run.kill()
     out = run.output
     assert code == 1, out[-3000:]
-    assert took < 5 + 6 + netlab.LabJob.GRACE + 5, took
+    assert took < 3 + 6 + netlab.LabJob.GRACE + 5, took
     lines = [line for line in out.splitlines() if "watchdog" in line]
     assert lines and all("ended the job" in line for line in lines), out[-3000:]
     assert any("rank 1 (node1) does not answer" in line for line in lines), lines
