@@ -81,7 +81,8 @@ def cost_options(fn):
         click.option("--calibration", type=click.Path(dir_okay=False), default=None,
                      help="A calibration file written by `caffepar calibrate`."),
         click.option("--network", default=None,
-                     help="A cluster network preset: 10gbe, 25gbe or 100gb-ib."),
+                     help="A cluster network preset: 10gbe, 25gbe, 100gb-ib, or the network "
+                          "lab's measured links lab-100mbit, lab-1gbit."),
         click.option("--alpha", type=float, default=None,
                      help="Latency per message hop in seconds (with --beta)."),
         click.option("--beta", type=float, default=None,
@@ -606,6 +607,14 @@ def calibrate_cmd(ctx, ranks, transport, output, max_mb, repeats, mpiexec):
         model.source = os.path.basename(output)
         model.save(output)
         say(f"wrote {output} (fits at P={', '.join(map(str, sorted(model.fits)))})")
+
+
+def _add_netlab():
+    from caffepar.netlab import netlab_group
+    cli.add_command(netlab_group)
+
+
+_add_netlab()
 
 
 @cli.group("convert")

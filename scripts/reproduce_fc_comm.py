@@ -5,6 +5,7 @@ MODEL parallel, P = 2, 4, 8, batch per rank 1 ... 128, over shared memory and ov
     python scripts/reproduce_fc_comm.py [--transports shm,tcp] [--ranks 2,4,8] [--fresh]
                                         [--report-only] [--repeats 5]
     python scripts/reproduce_fc_comm.py --check --calibration shm=mine.json
+    sudo python scripts/reproduce_fc_comm.py --transports netlab_1gbit --ranks 2 --measure-only
 
 `--check` measures and writes nothing: it sets a calibration's AUTO choices beside the measured
 winners (this checkout's sweep, else the committed results/fc_comm.csv) and prints the
@@ -172,12 +173,28 @@ def run_job(transport, ranks, repeats):
             if len(list(csv.DictReader(f))) == len(LAYERS) * len(BATCHES) * len(MODES):
                 print(f"{transport} P={ranks}: done ({out.relative_to(ROOT)})")
                 return
+    program = [sys.executable, __file__, "--worker", "--transport", transport, "--out",
+               str(out), "--repeats", str(repeats)]
+    if transport.startswith("netlab_"):
+        return run_on_lab(transport, ranks, program)
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
                MKL_NUM_THREADS="1", CAFFEPAR_MPI="1", **transport_environment(transport))
-    cmd = [find_mpiexec(), "-n", str(ranks), sys.executable, __file__, "--worker",
-           "--transport", transport, "--out", str(out), "--repeats", str(repeats)]
+    cmd = [find_mpiexec(), "-n", str(ranks)] + program
     print(f"{transport} P={ranks}: {' '.join(cmd[:3])} ...", flush=True)
     subprocess.run(cmd, env=env, check=True)
+
+
+def run_on_lab(transport, ranks, program):
+    """`netlab_<RATE>`: one rank per node of a network lab (`caffepar netlab`, needs root)
+    whose links run at RATE, made for the job and removed after it."""
+    from caffepar import netlab
+    lab = netlab.up(netlab.Lab("cpf", netlab.parse_links(transport[len("netlab_"):], ranks)))
+    try:
+        print(f"{transport} P={ranks}: on a lab of {ranks} nodes ...", flush=True)
+        subprocess.run(netlab.mpiexec_command(lab, ranks, program),
+                       env=netlab.rank_environment(), check=True)
+    finally:
+        netlab.down(lab.name)
 
 
 def read_rows(transports, ranks):
@@ -530,6 +547,9 @@ def main():
     ap.add_argument("--calibration", action="append", default=[], metavar="TRANSPORT=FILE",
                     help="check AUTO with this calibration instead of "
                          "results/calibration_<transport>.json (repeatable)")
+    ap.add_argument("--measure-only", action="store_true",
+                    help="measure the missing cells, write no report (e.g. for a transport "
+                         "the report does not show: netlab_<RATE>, one rank per lab node)")
     ap.add_argument("--check", action="store_true",
                     help="measure nothing, write nothing: print AUTO's agreement with the "
                          "measured winners and the model's error per transport")
@@ -560,6 +580,8 @@ def main():
                 t0 = time.time()
                 run_job(t, p, args.repeats)
                 print(f"{t} P={p}: {time.time() - t0:.0f} s", flush=True)
+    if args.measure_only:
+        return
     rows = read_rows(transports, ranks)
     if not rows:
         sys.exit("nothing measured yet (no sweep state and no results/fc_comm.csv)")

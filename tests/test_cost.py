@@ -152,12 +152,22 @@ def test_bad_calibration_file_is_one_line(tmp_path, capsys, content, message):
     assert len(lines) == 1 and message in lines[0], lines
 
 
+def test_lab_presets_are_the_lab_calibrations():
+    """The lab's presets are the allreduce fits `caffepar calibrate` made on the lab's links."""
+    for rate in ("100mbit", "1gbit"):
+        path = ROOT / "results" / f"calibration_netlab_{rate}.json"
+        alpha, beta = CostModel.load(path).alpha_beta("allreduce", 2)
+        preset_alpha, preset_beta, _ = NETWORKS[f"lab-{rate}"]
+        assert abs(preset_beta / beta - 1) < 0.01 and abs(preset_alpha - alpha) < 0.1e-6, rate
+
+
 def test_unknown_network_is_one_line(capsys):
     code, _out, err = _run(["plan", "--model", str(VGG), "--np", "4", "--network", "5g"],
                            capsys)
     assert code == 1
     assert err.strip().splitlines() == [
-        "caffepar: error: unknown network '5g': expected one of 10gbe, 25gbe, 100gb-ib "
+        "caffepar: error: unknown network '5g': expected one of 10gbe, 25gbe, 100gb-ib, "
+        "lab-100mbit, lab-1gbit "
         "(or --alpha/--beta, --calibration)"]
 
 

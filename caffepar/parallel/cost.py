@@ -45,6 +45,13 @@ NETWORKS = {
     # 100 Gb/s InfiniBand EDR: ~1.1 us latency and ~12.3 GB/s bandwidth (MVAPICH project's
     # published OSU micro-benchmark results on ConnectX-4 EDR; 12.5 GB/s line rate).
     "100gb-ib": (1.1e-6, 1 / 12.3e9, "100 Gb/s InfiniBand EDR: 1.1 us, 12.3 GB/s"),
+    # The network lab's links (`caffepar netlab`: veth shaped by tc tbf, MPICH over UCX's TCP),
+    # the allreduce fit of `caffepar calibrate` run on 2 lab nodes (results/netlab.md,
+    # results/calibration_netlab_<rate>.json): a cluster of small Ethernet links.
+    "lab-100mbit": (4.8e-6, 1 / 11.6e6,
+                    "lab link at 100 Mbit/s, MPI over TCP (measured): 4.8 us, 11.6 MB/s"),
+    "lab-1gbit": (8.8e-6, 1 / 119.6e6,
+                  "lab link at 1 Gbit/s, MPI over TCP (measured): 8.8 us, 120 MB/s"),
 }
 
 #: Inside a node (hierarchical reduction's reduce-scatter and allgather): MPI over shared
