@@ -173,7 +173,7 @@ def test_priorbox_without_min_size_is_one_line_naming_the_layer():
 # ------------------------------------------------------------------ DetectionOutput
 def ref_detections(loc, conf, prior, num_classes, share=True, background=0, nms=0.45,
                    top_k=-1, keep_top_k=-1, threshold=None, code="CENTER_SIZE",
-                   in_target=False, clip=False):
+                   in_target=False, clip=False, eta=1.0):
     """The fork's DetectionOutput, box by box, in float32 scalars."""
     f = np.float32
     n = loc.shape[0]
@@ -223,9 +223,12 @@ def ref_detections(loc, conf, prior, num_classes, share=True, background=0, nms=
             if top_k > -1:
                 cand = cand[:top_k]
             kept = []
+            adaptive = f(nms)
             for j in cand:
-                if all(iou(boxes[j], boxes[k]) <= f(nms) for k in kept):
+                if all(iou(boxes[j], boxes[k]) <= adaptive for k in kept):
                     kept.append(j)
+                    if eta < 1 and adaptive > 0.5:
+                        adaptive = f(adaptive * f(eta))
             found += [(c, j, boxes[j]) for j in kept]
         if -1 < keep_top_k < len(found):
             order = sorted(range(len(found)), key=lambda t: (-cs[found[t][1], found[t][0]], t))
@@ -265,6 +268,8 @@ DET_CASES = [
     ("share_location: false nms_param { nms_threshold: 0.4 } code_type: CENTER_SIZE "
      "keep_top_k: 7 background_label_id: -1", dict(share=False, nms=0.4, keep_top_k=7,
                                                    background=-1), 4),
+    ("nms_param { nms_threshold: 0.9 eta: 0.8 } code_type: CENTER_SIZE",
+     dict(nms=0.9, eta=0.8), 1),
     # clip is OpenCV's field (the res10 face detector's prototxt sets it).
     ("nms_param { nms_threshold: 0.45 top_k: 30 } code_type: CENTER_SIZE clip: true",
      dict(nms=0.45, top_k=30, clip=True), 1),
@@ -286,6 +291,17 @@ def test_detection_output_matches_reference(params, ref, cl):
         assert np.any((want[:, 3:] == 0) | (want[:, 3:] == 1))
     np.testing.assert_array_equal(got[0, 0, :, :3], want[:, :3])
     np.testing.assert_allclose(got[0, 0, :, 3:], want[:, 3:], rtol=1e-6, atol=1e-7)
+
+
+def test_nms_without_the_overlap_table_is_the_same(monkeypatch):
+    """Past PAIRWISE_MAX candidates NMS computes each kept box's overlaps as it goes."""
+    from caffepar.nn import ssd
+    loc, conf, prior = ssd_inputs(2, 40, 4)
+    feed = {"loc": loc, "conf": conf, "prior": prior}
+    text = detection_net(2, 40, 4, "nms_param { nms_threshold: 0.9 eta: 0.8 } keep_top_k: 50")
+    want = run(text, feed, dtype=np.float32).blobs["y"].data.copy()
+    monkeypatch.setattr(ssd, "PAIRWISE_MAX", 0)
+    np.testing.assert_array_equal(run(text, feed, dtype=np.float32).blobs["y"].data, want)
 
 
 def test_detection_output_nothing_found_gives_a_row_per_image():

@@ -256,13 +256,18 @@ def box_sizes(boxes):
 
 
 def overlaps(box, size, boxes, sizes):
-    """Caffe's JaccardOverlap of one box with several, in float32."""
-    w = np.minimum(box[2], boxes[:, 2]) - np.maximum(box[0], boxes[:, 0])
-    h = np.minimum(box[3], boxes[:, 3]) - np.maximum(box[1], boxes[:, 1])
+    """Caffe's JaccardOverlap of one box (or a column of boxes, shape (n, 1, 4)) with
+    several, in float32."""
+    w = np.minimum(box[..., 2], boxes[..., 2]) - np.maximum(box[..., 0], boxes[..., 0])
+    h = np.minimum(box[..., 3], boxes[..., 3]) - np.maximum(box[..., 1], boxes[..., 1])
     hit = (w > 0) & (h > 0)
     inter = np.where(hit, w * h, F32(0))
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(hit, inter / (size + sizes - inter), F32(0))
+
+
+PAIRWISE_MAX = 2048
+"""Candidates up to which NMS computes all their overlaps at once (16 MiB)."""
 
 
 def nms(boxes, sizes, scores, score_threshold, nms_threshold, eta, top_k):
@@ -273,16 +278,21 @@ def nms(boxes, sizes, scores, score_threshold, nms_threshold, eta, top_k):
     candidates = candidates[np.argsort(-scores[candidates], kind="stable")]
     if top_k > -1:
         candidates = candidates[:top_k]
+    b, s = boxes[candidates], sizes[candidates]
+    table = (overlaps(b[:, None], s[:, None], b[None], s[None])
+             if len(candidates) <= PAIRWISE_MAX else None)
+    # A candidate is kept when its largest overlap with the kept ones is within the threshold.
+    largest = np.zeros(len(candidates), F32)
     kept = []
-    threshold = nms_threshold
-    for idx in candidates:
-        if kept:
-            k = np.asarray(kept)
-            if np.any(overlaps(boxes[idx], sizes[idx], boxes[k], sizes[k]) > F32(threshold)):
-                continue
-        kept.append(idx)
+    threshold = F32(nms_threshold)
+    for i in range(len(candidates)):
+        if largest[i] > threshold:
+            continue
+        kept.append(candidates[i])
+        np.maximum(largest, table[i] if table is not None else overlaps(b[i], s[i], b, s),
+                   out=largest)
         if eta < 1 and threshold > 0.5:
-            threshold *= eta
+            threshold = F32(threshold * F32(eta))
     return kept
 
 
