@@ -98,6 +98,9 @@ layer {{ name: "pool" type: "Pooling" bottom: "data" top: "pool" top: "mask"
   pooling_param {{ pool: MAX {window} {mode} }} }}
 """)
     _check(result, tolerance=0)
+    # Ties (zeros after a ReLU, repeated values): Caffe keeps each window's first maximum.
+    ties = RNG.integers(0, 3, (2, 3, size, size + 1)).astype(np.float32)
+    _check(result, inputs={"data": ties}, tolerance=0)
 
 
 DETECTION = """name: "rois"

@@ -238,16 +238,23 @@ def _pooling(g, ctx):
 
 
 def _caffe_mask(g, ctx, x, attrs, padded_w, ph, pw, h, w):
-    """MaxPool with Indices, turned into Caffe's mask: ONNX counts each argmax over the whole
-    (padded, cropped) tensor, Caffe within the plane of the unpadded input, as a float."""
-    pooled, flat = g.node_outputs("MaxPool", [x], [ctx.outs[0], None], **attrs)
-    padded_h = (ctx.top_shapes[0][2] - 1) * attrs["strides"][0] + attrs["kernel_shape"][0]
-    within = g.node("Mod", [flat, g.ints("plane", padded_h * padded_w)])
-    width = g.ints("padded_width", padded_w)
-    row = g.node("Div", [within, width])
-    col = g.node("Mod", [within, width])
-    index = g.node("Add", [g.node("Mul", [row, g.ints("width", w)]), col])
-    index = g.node("Sub", [index, g.ints("pad_offset", ph * w + pw)])
+    """The MAX pooling mask in Caffe's layout: for each window, the index within the unpadded
+    plane of its first maximum in row-major order (Caffe's scan; ties are common after a ReLU,
+    and an unpooling places values by them). Each window's cells are gathered from the padded
+    plane and ArgMax takes the first maximum."""
+    (kh, kw), (sh, sw) = attrs["kernel_shape"], attrs["strides"]
+    oh, ow = ctx.top_shapes[0][2:]
+    rows = (np.arange(oh) * sh)[:, None, None, None] + np.arange(kh)[None, None, :, None]
+    cols = (np.arange(ow) * sw)[None, :, None, None] + np.arange(kw)[None, None, None, :]
+    cells = (rows * padded_w + cols).reshape(oh * ow, kh * kw)
+    caffe = ((rows - ph) * w + cols - pw).reshape(-1)
+    pooled = g.node("MaxPool", [x], ctx.outs[0], **attrs)
+    windows = g.node("Gather", [g.node("Reshape", [x, g.ints("planes", [0, 0, -1])]),
+                                g.const("window_cells", cells, np.int64)], axis=2)
+    first = g.node("ArgMax", [windows], axis=3, keepdims=0, select_last_index=0)
+    cell = g.node("Add", [first, g.const("window_start", np.arange(oh * ow) * kh * kw, np.int64)])
+    index = g.node("Gather", [g.const("caffe_index", caffe, np.int64), cell], axis=0)
+    index = g.node("Reshape", [index, g.ints("mask_shape", [0, 0, oh, ow])])
     return [pooled, g.node("Cast", [index], ctx.outs[1], to=1)]
 
 
