@@ -359,6 +359,19 @@ def _write_md(out, rows):
         detail = "; ".join(sorted({r["detail"] for r in mine if r["detail"]}))[:200]
         lines.append(f"| {name} | {len(mine)} | {ok} | {statistics.median(secs):.1f} / "
                      f"{max(secs):.1f} | {message} | {detail.replace('|', '/')} |")
+    lines += ["", "Notes:", "",
+              "- Signals: seconds from the signal to the end of the run (at startup the start "
+              "is included). A signal that comes while the command starts is kept until the "
+              "solver runs (SIGHUP at startup: its snapshot, then SIGTERM's).",
+              "- Hung rank: no --watchdog; the default limit is 20 times the longest a rank "
+              "computed between two collectives, at least 60 s. The waiting rank's share of a "
+              "core is measured over 10 s of its wait (MPICH's own wait spun it at 50% in the "
+              "same test before it polled with naps).",
+              "- Not run here: a net too large for the machine's memory (refused before it is "
+              "built; tests/test_net.py checks it with the available memory made small), and "
+              "a rank that calls exit(0) in the middle of a plain `mpiexec` job (MPICH's "
+              "mpiexec then ends the other ranks and exits 0: only caffepar's launcher, which "
+              "sees the rank end without its end record, reports it)."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out.with_suffix('.md')}")
 
