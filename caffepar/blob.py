@@ -84,6 +84,8 @@ class BlobVec(list):
     """A layer's parameter blobs, as pycaffe's `layer.blobs`: a list of Blobs to which a Python
     layer adds learnable blobs in its setup with `add_blob(*shape)`."""
 
+    __slots__ = ("dtype",)      # one per layer: a huge net's layers each save a dict
+
     def __init__(self, blobs=(), dtype=np.float32):
         super().__init__(blobs)
         self.dtype = np.dtype(dtype)

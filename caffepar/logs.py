@@ -30,6 +30,28 @@ class GlogFormatter(logging.Formatter):
         return self.prefix + head + record.getMessage()
 
 
+def progress(message, *args):
+    """Progress of a long step (parsing or building a huge net): in the log when one is set
+    up, else on stderr, so that every command shows it."""
+    if LOGGER.isEnabledFor(logging.INFO):
+        LOGGER.info(message, *args)
+    else:
+        sys.stderr.write(f"{message % args}\n")
+        sys.stderr.flush()
+
+
+def available_memory():
+    """Bytes the machine can still give (MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def setup_logging(log_file=None, quiet=False, prefix="", enabled=True):
     """Log to stderr (unless quiet) and to log_file, both glog-formatted."""
     LOGGER.handlers.clear()

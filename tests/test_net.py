@@ -228,3 +228,33 @@ def test_bottom_whose_producers_the_rules_drop_names_the_stage_that_keeps_them(t
         'only by layer "data" (Input), which the include/exclude rules drop in this state '
         '(phase TEST, level 0, stages: none); --stage deploy keeps layer "data"')
     assert Net(str(path), phase=TEST, stages=("deploy",)).blobs["ip"].shape == (1, 2)
+
+
+def _relu_chain(path, layers):
+    path.write_text('layer { name: "data" type: "Input" top: "x" input_param { shape { dim: 1 '
+                    'dim: 4 } } }\n' + "".join(f'layer {{ name: "r{i}" type: "ReLU" bottom: "x" '
+                                               'top: "x" }\n' for i in range(layers)))
+    return path
+
+
+def test_huge_net_build_shows_progress_and_too_huge_is_refused_up_front(tmp_path, monkeypatch,
+                                                                         capsys):
+    """Building a net of many layers says how far it has got (convert info, time: every
+    command); a net whose layers would need more memory than the machine has is refused in one
+    line before it is built."""
+    from caffepar import logs
+    from caffepar.cli import main
+    path = _relu_chain(tmp_path / "chain.prototxt", 999)
+    monkeypatch.setattr(Net, "PROGRESS_LAYERS", 100)
+    with pytest.raises(SystemExit) as ended:
+        main(["convert", "info", str(path)])
+    err = capsys.readouterr().err
+    assert ended.value.code == 0
+    assert f"Building {path}: 50% (500 of 1,000 layers)" in err.splitlines()
+    monkeypatch.setattr(logs, "available_memory", lambda: 3 << 20)
+    with pytest.raises(SystemExit) as ended:
+        main(["time", "--model", str(path), "--iterations", "1"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 1
+    assert err.strip() == (f"caffepar: {path}: error: the net has 1,000 layers: building them "
+                           "needs about 4 MB, and this machine has 3 MB available")

@@ -21,12 +21,27 @@ def state_meets_rule(state, rule):
     return True
 
 
+def _without_layers(net):
+    """A copy of the net's fields but its layers (copying them all to delete them would cost
+    a huge net its size again: the memory of deleted messages is not given back)."""
+    out = caffe_pb2.NetParameter()
+    for field, value in net.ListFields():
+        if field.name == "layer":
+            continue
+        target = getattr(out, field.name)
+        if hasattr(target, "extend"):       # a repeated field
+            target.extend(value)
+        elif field.message_type is not None:
+            target.CopyFrom(value)
+        else:
+            setattr(out, field.name, value)
+    return out
+
+
 def filter_net(net, smap=None):
     """Keep only the layers the net's `state` selects. A kept layer whose bottom only layers
     the rules dropped make is an error that says so, and which state would keep them."""
-    out = caffe_pb2.NetParameter()
-    out.CopyFrom(net)
-    del out.layer[:]
+    out = _without_layers(net)
     made, dropped = set(net.input), {}
     for layer in net.layer:
         if layer.include and layer.exclude:
@@ -122,9 +137,7 @@ def insert_splits(net, smap=None):
             if loss_weight[src]:
                 consumers[src] = consumers.get(src, 0) + 1
 
-    out = caffe_pb2.NetParameter()
-    out.CopyFrom(net)
-    del out.layer[:]
+    out = _without_layers(net)
     next_split = {}
     for i, layer in enumerate(net.layer):
         new = out.layer.add()

@@ -117,14 +117,14 @@ def parse_text(text, message, path="<string>", chunk_chars=CHUNK_CHARS):
     if len(text) <= chunk_chars:
         return _merge(text, message, path, 1)
     parts = _parts(text, chunk_chars)
-    from caffepar.logs import LOGGER
-    LOGGER.info("Parsing %s (%.0f MB) in %d parts", path, len(text) / 1e6, len(parts))
+    from caffepar.logs import progress
+    progress("Parsing %s (%.0f MB) in %d parts", path, len(text) / 1e6, len(parts))
     shown = 0
     for start, end, line in parts:
         _merge(text[start:end], message, path, line)
         if 10 * end // len(text) > shown:
             shown = 10 * end // len(text)
-            LOGGER.info("Parsing %s: %d%%", path, 10 * shown)
+            progress("Parsing %s: %d%%", path, 10 * shown)
     return message
 
 
