@@ -1,9 +1,12 @@
 #!/usr/bin/env python
 """caffepar's speed on the bundled nets against PyTorch and BVLC Caffe, measured side by side in
-alternating rounds in one run, written to results/cpu_speed.{md,csv,png}.
+alternating rounds in one run, written under the CPU's name: results/cpu_speed_<vendor>_<family>
+.{md,csv,png} (amd_zen4, intel_skylakex, ...), with _avx2 (or the build's instruction set) added
+when the kernels are built for less than the host has (CAFFEPAR_CFLAGS=-march=haswell on an
+AVX-512 host: the AVX2 result until a real AVX2 host is met).
 
     python scripts/bench_train.py [--nets cifar10_quick,alexnet,vgg16] [--rounds 3]
-                                  [--caffe PATH/TO/caffe] [--out results/cpu_speed]
+                                  [--caffe PATH/TO/caffe] [--out results/cpu_speed_<cpu>]
 
 Per net, each round runs in turn:
 - one training iteration (forward + backward + SGD update) of caffepar and of the same
@@ -179,13 +182,20 @@ def pool1_ms(rounds):
     return min(best_time(step, 10) for _ in range(rounds)) * 1e3
 
 
+def host_isa():
+    """The best of AVX-512, AVX2 the host has, from its feature flags."""
+    from caffepar.nn import native
+    flags = set(native._cpu_flags().split())
+    return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "SSE"
+
+
 def cpu_name():
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
         fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
         name = fields.get("Model name", "").strip()
         flags = fields.get("Flags", "")
-        isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+        isa = host_isa() if flags else "no AVX2"
         return f"{name} ({platform.machine()}, {isa}, {os.cpu_count()} logical CPUs)"
     except OSError:
         return platform.processor() or platform.machine()
@@ -238,8 +248,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=3, help="runs per round")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per net")
     ap.add_argument("--caffe", default=None, help="a BVLC Caffe `caffe` binary to compare with")
-    ap.add_argument("--out", default=str(ROOT / "results/cpu_speed"),
-                    help="write OUT.md, OUT.csv and OUT.png (empty: print only)")
+    ap.add_argument("--out", default=None,
+                    help="write OUT.md, OUT.csv and OUT.png (default: results/cpu_speed_<cpu>; "
+                         "empty: print only)")
     ap.add_argument("--keep-engines", action="store_true",
                     help="use the convolution engines measured earlier on this machine (by "
                          "default they are measured afresh, in a temporary cache)")
@@ -258,7 +269,14 @@ def main():
         have_torch = True
     except ImportError:
         have_torch = False
-    kernels = "compiled" if native.kernels(np.float32) is not None else "NumPy"
+    k = native.kernels(np.float32)
+    kernels = (f"compiled for {build_isa(k.vector_bytes)} ({k.vector_bytes}-byte vectors, "
+               f"{k.registers} registers)" if k is not None else "NumPy")
+    if args.out is None:
+        host = host_isa()
+        build = build_isa(k.vector_bytes) if k is not None else "numpy"
+        suffix = "" if build == host else "_" + build.lower().replace("-", "")
+        args.out = str(ROOT / f"results/cpu_speed_{cpu_key()}{suffix}")
     print(f"{cpu_name()}; {threads} thread(s); SGEMM {rate:.1f} GFLOP/s; kernels: {kernels}; "
           f"PyTorch {'installed' if have_torch else 'not installed'}; "
           f"Caffe {args.caffe or 'not given'}; load average {load_start:.2f}")
@@ -300,12 +318,13 @@ def main():
     print(f"load average (1 min): {load_start:.2f} at the start, {load_end:.2f} at the end")
     if args.out:
         write_results(Path(args.out), rows, pool, dict(
-            cpu=cpu_name(), threads=threads, sgemm=rate, kernels=kernels, started=started,
+            cpu=f"{cpu_name()} [{cpu_key()}; {native.cpu_model()}]", threads=threads, sgemm=rate, kernels=kernels, started=started,
             load=(load_start, load_end), caffe=args.caffe, rounds=args.rounds,
             coretype=os.environ.get("OPENBLAS_CORETYPE", "(OpenBLAS's choice)"),
-            builds=", ".join(f"{k}={os.environ[k]}" for k in ("CAFFEPAR_CFLAGS",
-                                                             "ATEN_CPU_CAPABILITY")
-                             if os.environ.get(k))))
+            builds=", ".join(f"{v}={os.environ[v]}" for v in ("CAFFEPAR_CFLAGS",
+                                                             "ATEN_CPU_CAPABILITY",
+                                                             "ONEDNN_MAX_CPU_ISA")
+                             if os.environ.get(v))))
 
 
 def write_results(out, rows, pool, info):

@@ -124,7 +124,10 @@ def main():
              f"Written by `python scripts/bench_vector_width.py` ({started}, {args.rounds} "
              f"alternating rounds, fastest counts). CPU: {cpu_label()}; threads: "
              f"{os.environ.get('OPENBLAS_NUM_THREADS', os.cpu_count())}. Load average (1 min) "
-             f"{load_start:.2f} at the start, {load_end:.2f} at the end.", "",
+             f"{load_start:.2f} at the start, {load_end:.2f} at the end" +
+             (": **measured on a loaded machine** (ratios from alternating rounds, absolute "
+              "times noisy)." if max(load_start, load_end) > 2.5 else ": a quiet machine."),
+             "",
              "Builds: " + "; ".join(f"{b} ({BUILDS[b] or '-march=native'}: {info[b][0]}-byte "
                                     f"vectors, {info[b][1]} registers)" for b in builds) + ".",
              "", "Direct convolution (engine forced) forward + backward, and pool1 forward + "

@@ -54,22 +54,30 @@ def stack_references(fn):
     return sum(any(t <= a <= b for t, b in inner) for a in refs), len(refs)
 
 
-def compile_kernels(tmp_path, march):
-    obj = tmp_path / f"kernels-{march}.o"
-    flags = [f for f in native.FLAGS if f not in ("-march=native", "-shared")]
-    done = subprocess.run([native.compiler(), *flags, f"-march={march}", "-DONLY_F32", "-c",
-                           "-o", str(obj), str(native.SOURCES / "kernels.c")],
-                          capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"{native.compiler()} cannot build for {march}: {done.stderr[:200]}")
-    return obj
+MARCHES = ("haswell", "skylake-avx512")
 
 
-@pytest.mark.parametrize("march", ["haswell", "skylake-avx512"])
-def test_hot_kernels_keep_tiles_in_registers(tmp_path, march):
+@pytest.fixture(scope="module")
+def objects(tmp_path_factory):
+    """{march: object file, or why it could not be built}, the two compiled side by side."""
     if not shutil.which("objdump") or not shutil.which(native.compiler()):
         pytest.skip("needs a C compiler and objdump")
-    found = functions(compile_kernels(tmp_path, march))
+    folder = tmp_path_factory.mktemp("isa")
+    flags = [f for f in native.FLAGS if f not in ("-march=native", "-shared")]
+    jobs = {m: subprocess.Popen([native.compiler(), *flags, f"-march={m}", "-DONLY_F32", "-c",
+                                 "-o", str(folder / f"{m}.o"), str(native.SOURCES / "kernels.c")],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for m in MARCHES}
+    outputs = {m: job.communicate()[0] for m, job in jobs.items()}
+    return {m: folder / f"{m}.o" if job.returncode == 0 else outputs[m][:200]
+            for m, job in jobs.items()}
+
+
+@pytest.mark.parametrize("march", MARCHES)
+def test_hot_kernels_keep_tiles_in_registers(objects, march):
+    if isinstance(objects[march], str):
+        pytest.skip(f"{native.compiler()} cannot build for {march}: {objects[march]}")
+    found = functions(objects[march])
     counts = {}
     for name in HOT:
         assert f"{name}_f32" in found, name

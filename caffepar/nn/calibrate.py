@@ -198,6 +198,19 @@ def margin(entry):
     return runner, ms[runner] / chosen
 
 
+def random_array(rng, shape, dtype, scale=1.0):
+    """Normal draws of `dtype` for a timing run, drawn in that type (no float64 array twice
+    the size on the way)."""
+    dtype = np.dtype(dtype)
+    if dtype in (np.float32, np.float64):
+        a = rng.standard_normal(shape, dtype=dtype)
+    else:
+        a = rng.standard_normal(shape).astype(dtype)
+    if scale != 1.0:
+        a *= dtype.type(scale)
+    return a
+
+
 def _timed(run, engine):
     t0 = time.perf_counter()
     run(engine)

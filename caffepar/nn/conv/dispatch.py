@@ -59,8 +59,8 @@ def _timing_run(shape, n, dt, passes):
     """run(engine): the passes of a shape on random data with that engine."""
     in_sp, kernel, stride, pad, dilation, cg, og, group = shape
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((n, cg * group) + in_sp).astype(dt)
-    w = (rng.standard_normal((og * group, cg) + kernel) * 0.1).astype(dt)
+    x = calibrate.random_array(rng, (n, cg * group) + in_sp, dt)
+    w = calibrate.random_array(rng, (og * group, cg) + kernel, dt, 0.1)
     y = np.empty((n, og * group) + geom(in_sp, kernel, stride, pad, dilation).out, dt)
     dx = np.empty_like(x)
 
