@@ -470,7 +470,12 @@ def write_report(done, pieces):
     if opts:
         md += ["## Communication options against plain DATA (VGG-16, batch 2 per rank)", "",
                "Speedup = plain DATA's iteration / the option's, same layout and link, "
-               "measured in the same campaign.", "",
+               "measured in the same campaign. Top-k runs under `caffepar time`, without "
+               "momentum correction (an option of `train`: it changes the update, not what "
+               "travels). The 2 cores bound these figures where the option needs CPU beside "
+               "the ranks' compute: overlap's progress thread and top-k's selection take it "
+               "from the computation, as on a node whose cores are all busy; the hierarchical "
+               "run has 4 ranks on 2 cores.", "",
                "| link | layout | option | iteration ms | DATA ms | speedup |",
                "|---|---|---|---|---|---|"]
         for r in opts:
@@ -504,16 +509,24 @@ def fc_section(rate="1gbit"):
     import reproduce_fc_comm as fc
     from caffepar.parallel.cost import CostModel
     t = f"netlab_{rate}"
-    if not (fc.STATE / f"{t}_p2.csv").exists():
+    sweep, kept = fc.STATE / f"{t}_p2.csv", RESULTS / "netlab_fc.csv"
+    if sweep.exists():
+        kept.write_text(sweep.read_text())      # the sweep's rows, kept with the results
+    elif not kept.exists():
         return []
-    rows = [r for r in fc.read_rows([t, "shm", "tcp"], [2])]
+    with open(kept, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r["np"], r["batch"], r["comm_ms"] = int(r["np"]), int(r["batch"]), float(r["comm_ms"])
+    rows += fc.read_rows(["shm", "tcp"], [2])
     models = {t: CostModel.load(calibration_file(rate))} if calibration_file(rate).exists() \
         else {}
     cells = {(c["layer"], c["transport"], c["batch"]): c for c in fc.summarize(rows, models)}
     out = [f"## VGG-16's fc6, fc7, fc8: DATA vs MODEL communication on {rate} links (Fig. "
            "14-16), P=2", "",
            "Communication ms per iteration of the layer alone (`scripts/reproduce_fc_comm.py "
-           f"--transports {t} --ranks 2`: slowest rank, median of 5 after 2 warm-ups), each "
+           f"--transports {t} --ranks 2`: slowest rank, median of 5 after 2 warm-ups; rows "
+           "in results/netlab_fc.csv), each "
            "cell DATA / MODEL and the faster; beside the same sweep over shared memory and "
            "TCP loopback (results/fc_comm.csv) and the paper's winner. AUTO: the mode the "
            "cost model fitted on the lab's link picks.", "",
