@@ -20,12 +20,10 @@ at that rate (`results/calibration_netlab_<rate>.json`) for the plan's layers.
 """
 import argparse
 import csv
-import json
 import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
