@@ -388,7 +388,7 @@ class LabJob(Job):
         out = {}
         for rank, (code, line) in super()._ends().items():
             head, sep, text = line.partition("] ")
-            if sep and head.startswith("[rank"):
+            if sep and head.startswith("[rank") and not re.search(r"\bnode\d", text):
                 line = head + sep + re.sub(r"\brank (\d+)\b", node, text)
             out[rank] = (code, line)
         return out

@@ -20,12 +20,10 @@ at that rate (`results/calibration_netlab_<rate>.json`) for the plan's layers.
 """
 import argparse
 import csv
-import json
 import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -318,7 +316,8 @@ def main():
 
 
 def predicted(p, done, cores):
-    """(predicted iteration ms, predicted comm ms) of a `time` piece, or (None, None) without
+    """(predicted iteration ms, predicted comm ms, the plan's model-parallel layers) of a
+    `time` piece, or Nones without
     its profile or calibration (or for a communication option, which the model does not
     predict here)."""
     from caffepar.parallel.cost import CostModel
@@ -328,13 +327,13 @@ def predicted(p, done, cores):
                           iterations=2 if p["batch"] >= 8 else 3)["key"])
     cal = calibration_file(p["rate"], p["nodes"], p["ranks_per_node"])
     if p["options"] or not prof or prof["status"] != "ok" or not cal.exists():
-        return None, None
+        return None, None, ""
     ranks = p["nodes"] * p["ranks_per_node"]
     doc = load_profile(profile_file(p["net"], p["batch"]))
     # ranks beyond the cores share them: each rank's compute slows by P / cores
     compute = profile_compute_ms(doc, p["batch"]) * max(1.0, ranks / cores)
-    comm = predict(p["net"], p["batch"], ranks, CostModel.load(cal))[p["mode"]][0]
-    return compute + comm, comm
+    comm, splits = predict(p["net"], p["batch"], ranks, CostModel.load(cal))[p["mode"]]
+    return compute + comm, comm, " ".join(splits) or "-"
 
 
 def result_rows(done, pieces):
@@ -344,12 +343,13 @@ def result_rows(done, pieces):
         r = done.get(p["key"])
         if p["kind"] != "time" or not r or r["status"] != "ok":
             continue
-        pred, pred_comm = predicted(p, done, cores)
+        pred, pred_comm, splits = predicted(p, done, cores)
         measured = float(r["iteration_ms"])
         rows.append({"net": p["net"], "mode": p["mode"], "options": p["options"] or "-",
                      "nodes": p["nodes"], "ranks_per_node": p["ranks_per_node"],
                      "np": p["nodes"] * p["ranks_per_node"], "rate": p["rate"],
                      "batch": p["batch"], "iterations": p["iterations"],
+                     "model_parallel": splits,
                      "measured_ms": measured, "min_ms": float(r["min_ms"]),
                      "comm_ms": r["comm_ms"], "comm_mb": r["comm_mb"],
                      "predicted_ms": "" if pred is None else round(pred, 1),
@@ -374,7 +374,8 @@ def write_report(done, pieces):
     get = {(r["net"], r["mode"], r["options"], r["nodes"], r["ranks_per_node"], r["rate"],
             r["batch"]): r for r in rows}
     busy = [int(r["others_busy_pct"]) for r in done.values()
-            if r["status"] == "ok" and r["others_busy_pct"] not in ("", None)]
+            if r["status"] == "ok" and r["kind"] != "probe"
+            and r["others_busy_pct"] not in ("", None)]
     md = ["# caffepar on the network lab: measured beside the cost model", "",
           "Produced by `python scripts/netlab_campaign.py --report` from the pieces "
           "`scripts/netlab_campaign.py` measured (run as root; it resumes where it stopped). "
@@ -382,7 +383,7 @@ def write_report(done, pieces):
           "rank together "
           "(the lab's nodes are network namespaces of one machine). Each piece held an "
           "exclusive lock against the machine's other timed jobs; the CPU others used in "
-          "the 2 s before each piece "
+          "the 2 s before each timed piece "
           + (f"was {min(busy)}-{max(busy)}% (median {sorted(busy)[len(busy) // 2]}%)"
              if busy else "was not recorded") + ".", "",
           "Lab: `caffepar netlab` - each node a network namespace with one veth link to a "
@@ -429,7 +430,11 @@ def write_report(done, pieces):
             return "-"
         pred = f" ({r['predicted_ms']:.0f}, {r['error_pct']:+.0f}%)" \
             if r["predicted_ms"] != "" else ""
-        return f"{r['measured_ms']:.0f}{pred}"
+        split = f" [{r['model_parallel']}]" if r["mode"] == "AUTO" and r["model_parallel"] \
+            else ""
+        loud = " †" if r["others_busy_pct"] not in ("", None) and \
+            int(r["others_busy_pct"]) >= 20 else ""
+        return f"{r['measured_ms']:.0f}{loud}{pred}{split}"
 
     for nodes, per in ((2, 1), (2, 2), (4, 1)):
         keys = sorted({(r["rate"], r["batch"]) for r in rows
@@ -440,8 +445,11 @@ def write_report(done, pieces):
             continue
         md += ["", f"## DATA, HYBRID, AUTO: P={nodes * per} ({nodes} nodes x {per} rank"
                f"{'s' if per > 1 else ''})", "",
-               "Iteration ms measured (predicted, prediction's error). HYBRID/DATA: measured "
-               "ratio; AUTO vs best: AUTO's iteration over the better of DATA and HYBRID.", ""]
+               "Iteration ms measured (predicted, prediction's error) [AUTO's model-parallel "
+               "layers; HYBRID's are fc6 fc7]. HYBRID/DATA: measured ratio; AUTO vs best: "
+               "AUTO's iteration over the better of DATA and HYBRID. †: other processes "
+               "used 20% or more of the CPU just before the run (they did not hold the "
+               "lock), so its compute may be slower.", ""]
         for net in NETS:
             md += [f"**{net}**", "",
                    "| link | batch/rank | DATA | HYBRID | AUTO | HYBRID/DATA | AUTO vs best |",
@@ -460,7 +468,12 @@ def write_report(done, pieces):
     if opts:
         md += ["## Communication options against plain DATA (VGG-16, batch 2 per rank)", "",
                "Speedup = plain DATA's iteration / the option's, same layout and link, "
-               "measured in the same campaign.", "",
+               "measured in the same campaign. Top-k runs under `caffepar time`, without "
+               "momentum correction (an option of `train`: it changes the update, not what "
+               "travels). The 2 cores bound these figures where the option needs CPU beside "
+               "the ranks' compute: overlap's progress thread and top-k's selection take it "
+               "from the computation, as on a node whose cores are all busy; the hierarchical "
+               "run has 4 ranks on 2 cores.", "",
                "| link | layout | option | iteration ms | DATA ms | speedup |",
                "|---|---|---|---|---|---|"]
         for r in opts:
@@ -494,16 +507,24 @@ def fc_section(rate="1gbit"):
     import reproduce_fc_comm as fc
     from caffepar.parallel.cost import CostModel
     t = f"netlab_{rate}"
-    if not (fc.STATE / f"{t}_p2.csv").exists():
+    sweep, kept = fc.STATE / f"{t}_p2.csv", RESULTS / "netlab_fc.csv"
+    if sweep.exists():
+        kept.write_text(sweep.read_text())      # the sweep's rows, kept with the results
+    elif not kept.exists():
         return []
-    rows = [r for r in fc.read_rows([t, "shm", "tcp"], [2])]
+    with open(kept, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r["np"], r["batch"], r["comm_ms"] = int(r["np"]), int(r["batch"]), float(r["comm_ms"])
+    rows += fc.read_rows(["shm", "tcp"], [2])
     models = {t: CostModel.load(calibration_file(rate))} if calibration_file(rate).exists() \
         else {}
     cells = {(c["layer"], c["transport"], c["batch"]): c for c in fc.summarize(rows, models)}
     out = [f"## VGG-16's fc6, fc7, fc8: DATA vs MODEL communication on {rate} links (Fig. "
            "14-16), P=2", "",
            "Communication ms per iteration of the layer alone (`scripts/reproduce_fc_comm.py "
-           f"--transports {t} --ranks 2`: slowest rank, median of 5 after 2 warm-ups), each "
+           f"--transports {t} --ranks 2`: slowest rank, median of 5 after 2 warm-ups; rows "
+           "in results/netlab_fc.csv), each "
            "cell DATA / MODEL and the faster; beside the same sweep over shared memory and "
            "TCP loopback (results/fc_comm.csv) and the paper's winner. AUTO: the mode the "
            "cost model fitted on the lab's link picks.", "",
@@ -615,6 +636,7 @@ def plot(rows):
             ax.set_xlabel("batch per rank")
             ax.set_ylabel("iteration ms")
             ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)
             if i == 0 and j == 0:
                 ax.legend(fontsize=7)
     fig.tight_layout()

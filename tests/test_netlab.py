@@ -4,6 +4,7 @@ shaped to, a 2-node MPI job's traffic between nodes all goes through the links, 
 mid-run ends the job with a line naming the ranks, and without privileges one line says so."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -260,7 +261,7 @@ class LabRun:
     def output(self):
         return "".join(self.lines)
 
-    def wait_iterations(self, timeout=40):
+    def wait_iterations(self, timeout=90):
         """Until the run has logged iteration 20 (its ranks are up and talking)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
@@ -354,7 +355,7 @@ def test_link_down_mid_run_ends_the_job_naming_the_ranks(tmp_path, lab):
     assert took < 3 + 6 + netlab.LabJob.GRACE + 5, took
     lines = [line for line in out.splitlines() if "ended the job" in line]
     assert lines, out[-3000:]
-    assert any("rank 1 on node1" in line and "stopped" in line for line in lines), lines
+    assert any(re.search(r"rank 1\b.*node1", line) for line in lines), lines
 
 
 @need_lab
