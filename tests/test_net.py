@@ -245,6 +245,8 @@ def test_huge_net_build_shows_progress_and_too_huge_is_refused_up_front(tmp_path
     from caffepar import logs
     from caffepar.cli import main
     path = _relu_chain(tmp_path / "chain.prototxt", 999)
+    # As in a fresh process with no log set up (an earlier test's may still hold its stream).
+    monkeypatch.setattr(logs.LOGGER, "disabled", True)
     monkeypatch.setattr(Net, "PROGRESS_LAYERS", 100)
     with pytest.raises(SystemExit) as ended:
         main(["convert", "info", str(path)])
