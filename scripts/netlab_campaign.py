@@ -485,6 +485,17 @@ def write_report(done, pieces):
                       f"| {r['rate']} | {r['nodes']}x{r['ranks_per_node']} | {r['options']} | "
                       f"{r['measured_ms']:.0f} | - | - |")
         md.append("")
+        for rate in sorted({r["rate"] for r in opts}, key=lambda x: netlab.parse_rate(x) or 0):
+            mine = [r for r in opts if r["rate"] == rate and r["ranks_per_node"] == 1]
+            base = get.get(("vgg16", "DATA", "-", 2, 1, rate, 2))
+            if mine and base:
+                best = min(mine, key=lambda r: r["measured_ms"])
+                slower = [r["options"] for r in mine if r["measured_ms"] > base["measured_ms"]]
+                md.append(f"- {rate}, 2 nodes x 1 rank: fastest `{best['options']}` "
+                          f"({base['measured_ms'] / best['measured_ms']:.2f}x DATA)"
+                          + (f"; slower than plain DATA: {', '.join(slower)}" if slower
+                             else "") + ".")
+        md.append("")
     missing = [p for p in pieces if (done.get(p["key"]) or {}).get("status") != "ok"]
     md += ["## Not yet measured", ""]
     if missing:
