@@ -440,6 +440,25 @@ def versions(caffe2onnx):
     return ", ".join(out)
 
 
+def summary(rows):
+    """Counts of what each tool runs and agrees on, and where OpenCV differs."""
+    def count(column, word):
+        return sum(str(r.get(column, "")).startswith(word) for r in rows)
+    ran = {c: count(c, "agrees") + count(c, "differs") for c in ("opencv", "caffe2onnx")}
+    text = (f"Summary: of {len(rows)} nets, caffepar runs {count('caffepar', 'runs')}; its ONNX "
+            f"export agrees with it in onnxruntime on {count('caffepar_onnx', 'agrees')}. "
+            f"OpenCV runs {ran['opencv']} and agrees on {count('opencv', 'agrees')}; "
+            f"caffe2onnx's export runs on {ran['caffe2onnx']} and agrees on "
+            f"{count('caffe2onnx', 'agrees')}.")
+    odd = [r for r in rows if r["kind"] == "layer" and r.get("opencv_differs") or
+           r["kind"] == "layer" and (str(r.get("opencv", "")).startswith("differs")
+                                          or "OpenCV" in str(r.get("note", "")))]
+    if odd:
+        text += " Where OpenCV differs or fails on a layer it has: " + "; ".join(
+            f"{r['item'].split(' (')[0]}: {r['note']}" for r in odd) + "."
+    return text
+
+
 def write(out, rows, caffe2onnx):
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{out}.csv", "w", newline="") as f:
@@ -450,6 +469,7 @@ def write(out, rows, caffe2onnx):
     lines = ["# Caffe fork layers and models: caffepar, OpenCV, caffepar's ONNX, caffe2onnx", "",
              "Made by `scripts/check_fork_models.py` (its docstring says how each tool runs and "
              "what the random weights are). Tools: " + versions(caffe2onnx) + ".", "",
+             summary(rows), "",
              "Published models are their prototxts with random weights (their caffemodels are "
              "not fetched). Comparisons are against caffepar's output: dense outputs with rtol "
              "1e-4 (atol 1e-5); detections sorted, same count, rtol 1e-4 (atol 1e-5).", "",
