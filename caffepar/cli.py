@@ -570,7 +570,7 @@ def format_options(net, cost_model, ranks, batch, profile, ranks_per_node, topk_
 def calibrate_cmd(ctx, ranks, transport, output, max_mb, repeats, mpiexec):
     """Measure latency and bandwidth of each collective caffepar runs (alpha-beta fit per
     collective) and save them for plan, train and time (--calibration FILE)."""
-    from caffepar.parallel.comm import launched_by_mpi, world_comm
+    from caffepar.parallel.comm import launched_by_mpi
     from caffepar.parallel.cost import CostModel
     previous = None
     if os.path.exists(output):

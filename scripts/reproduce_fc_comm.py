@@ -329,8 +329,6 @@ def _ratio(cells, layer, t, p, b):
 
 
 def report(rows, cells, models, transports, ranks):
-    import numpy as np
-
     from caffepar.parallel.cost import describe
     lines = ["# VGG-16's FC layers: communication time DATA vs MODEL (the paper's Fig. 14-16)",
              "",

@@ -15,7 +15,6 @@ from caffepar.cli import main
 from caffepar.errors import SolverError, WeightsError
 from caffepar.io import weights as weights_io
 from caffepar.proto import caffe_pb2
-from caffepar.solvers import snapshot as snap_mod
 
 NET = """
 name: "small"

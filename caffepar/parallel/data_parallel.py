@@ -134,10 +134,6 @@ class ParallelSolverMixin:
         owners = [net.param_layer_index[n] for n, o in enumerate(net.param_owner) if o < 0]
         return [(net.layers[i], k) for i, k in owners]
 
-    def snapshot(self):
-        with self.comm.busy("snapshot"):       # the ranks that wait are told, and wait on
-            return super().snapshot()
-
     STOP = 1 << 30
 
     def requested_action(self):
@@ -242,7 +238,8 @@ class ParallelSolverMixin:
         return super().history_part(index, values)
 
     def snapshot(self):
-        result = super().snapshot()
+        with self.comm.busy("snapshot"):       # the ranks that wait are told, and wait on
+            result = super().snapshot()
         self.comm.barrier()
         return result
 
