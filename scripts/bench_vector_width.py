@@ -41,7 +41,8 @@ def child(repeat):
     import caffepar  # noqa: F401
     import numpy as np
     from bench_layers import best_time
-    from caffepar.nn import native, pooling
+    from bench_train import pool1_ms
+    from caffepar.nn import native
     from caffepar.nn.conv import dispatch
     os.environ["CAFFEPAR_CONV_ENGINES"] = "direct"
     k = native.kernels(np.float32)
@@ -60,17 +61,7 @@ def child(repeat):
         assert dispatch.conv_engine((hw, hw), w.shape, s, p, 1, g, n) == "direct"
         step()
         out[name] = best_time(step, repeat)
-    x = rng.standard_normal((100, 32, 32, 32), dtype=np.float32)
-    geo = pooling.PoolGeometry(3, 3, 0, 0, 2, 2)
-    geo.reshape(32, 32)
-    y = np.empty((100, 32, geo.oh, geo.ow), np.float32)
-    dy, dx = np.ones_like(y), np.empty_like(x)
-
-    def pool():
-        pooling.max_pool_backward(geo, pooling.max_pool_forward(geo, x, y), dy, dx)
-
-    pool()
-    out["pool1"] = best_time(pool, 4 * repeat)
+    out["pool1"] = pool1_ms(repeat) / 1e3
     print(json.dumps(out))
 
 
@@ -81,11 +72,6 @@ def run_build(flags, repeat):
     if done.returncode:
         raise SystemExit(f"build {flags or 'native'} failed: {done.stderr[-800:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def cpu_label():
-    from bench_train import cpu_name
-    return cpu_name()
 
 
 def main():
@@ -99,7 +85,7 @@ def main():
     args = ap.parse_args()
     if args.child:
         return child(args.repeat)
-    from bench_train import cpu_key
+    from bench_train import cpu_key, cpu_name
     builds = args.builds.split(",")
     load_start, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M")
     best, info = {}, {}
@@ -122,7 +108,7 @@ def main():
     ratio = [b for b in builds if b != "native"]
     lines = ["# Kernels built for different vector widths, side by side", "",
              f"Written by `python scripts/bench_vector_width.py` ({started}, {args.rounds} "
-             f"alternating rounds, fastest counts). CPU: {cpu_label()}; threads: "
+             f"alternating rounds, fastest counts). CPU: {cpu_name()}; threads: "
              f"{os.environ.get('OPENBLAS_NUM_THREADS', os.cpu_count())}. Load average (1 min) "
              f"{load_start:.2f} at the start, {load_end:.2f} at the end" +
              (": **measured on a loaded machine** (ratios from alternating rounds, absolute "
