@@ -121,7 +121,8 @@ def check_net(path, folder, timeout):
     return out
 
 
-FIELDS = ["prototxt", "kind"] + [f for c in COMMANDS for f in (c, f"{c}_reason")]
+FIELDS = ["prototxt", "kind"] + [f for c in COMMANDS for f in (c, f"{c}_reason")] + ["engines"]
+EARLIER_ENGINES = "rules"   # rows of runs made before the engines were recorded used the rules
 
 
 def main():
@@ -130,7 +131,8 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "results" / "published_nets"))
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--resume", action="store_true",
-                    help="keep the rows OUT.csv already has (a run cut short goes on)")
+                    help="keep the rows OUT.csv already has (a run cut short goes on; rows of "
+                         "prototxts outside DIR stay, so DIR may be one sub-folder rechecked)")
     ap.add_argument("--recheck", action="append", default=[], metavar="GLOB",
                     help="with --resume: check again the prototxts matching GLOB")
     ap.add_argument("--conv-engines", default="measure",
@@ -157,15 +159,23 @@ def main():
             status = run([sys.executable, "-m", "caffepar.cli", "convert", "upgrade", str(path),
                           os.devnull, "--check"], args.timeout, path.parent)
             rows.append({"prototxt": name, "kind": "solver", "upgrade": status[0],
-                         "upgrade_reason": status[1]})
+                         "upgrade_reason": status[1], "engines": CONV_ENGINES})
         else:
             result = check_net(path, path.parent, args.timeout)
-            row = {"prototxt": name, "kind": "net"}
+            row = {"prototxt": name, "kind": "net", "engines": CONV_ENGINES}
             for cmd in COMMANDS:
                 row[cmd], row[f"{cmd}_reason"] = result[cmd][0], result[cmd][1]
             rows.append(row)
         print(name, {k: v for k, v in rows[-1].items() if k in COMMANDS}, flush=True)
         _write_csv(out, rows + [r for n, r in done.items() if n not in {x["prototxt"] for x in rows}])
+    seen = {r["prototxt"] for r in rows}
+    kept = [{k: v for k, v in r.items() if v != ""} for n, r in done.items() if n not in seen]
+    rows = sorted(rows + kept, key=lambda r: Path(r["prototxt"]).parts)
+    engines = {}
+    for r in rows:
+        if r["kind"] == "net":
+            r.setdefault("engines", EARLIER_ENGINES)
+            engines.setdefault(r["engines"], []).append(r["prototxt"])
     _write_csv(out, rows)
     bad = [(r["prototxt"], c, r[c], r[f"{c}_reason"]) for r in rows for c in COMMANDS
            if r.get(c) in ("TRACEBACK", "TIMEOUT", "UNCLEAR")]
@@ -185,9 +195,11 @@ def main():
              "files). Columns: convert info, plan --np 4, convert upgrade --check, time "
              "(TEST phase, one iteration), random weights saved through the pycaffe API, "
              "convert onnx --verify.", "",
-             f"Convolution engines: `{CONV_ENGINES}`"
-             + (" (each layer shape times every engine able to run it, as a first run "
-                "does)." if CONV_ENGINES == "measure" else "."), "",
+             "Convolution engines (CAFFEPAR_CONV_ENGINES of the commands; `measure` times "
+             "every engine able to run a layer shape, as a first run does): " +
+             "; ".join(f"`{e}` for {len(n)} nets" + (
+                 " (" + ", ".join(sorted({x.split("/")[0] for x in n})) + ")"
+                 if len(engines) > 1 else "") for e, n in sorted(engines.items())) + ".", "",
              " ".join(FOLDER_LAYOUT.split()), ""]
     lines += ["| prototxt | " + " | ".join(COMMANDS) + " |",
               "|---|" + "---|" * len(COMMANDS)]
