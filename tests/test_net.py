@@ -230,6 +230,24 @@ def test_bottom_whose_producers_the_rules_drop_names_the_stage_that_keeps_them(t
     assert Net(str(path), phase=TEST, stages=("deploy",)).blobs["ip"].shape == (1, 2)
 
 
+def test_producers_one_per_state_are_named_once_with_every_state_that_keeps_one(tmp_path):
+    from caffepar.graph.net import TEST
+    path = tmp_path / "autoencoder.prototxt"
+    data = ('layer {{ name: "data" type: "Input" top: "data" include {{ {} }}\n'
+            '        input_param {{ shape {{ dim: 1 dim: 3 }} }} }}\n')
+    path.write_text(data.format("phase: TRAIN") + data.format('phase: TEST stage: "on-train"')
+                    + data.format('phase: TEST stage: "on-test"') +
+                    'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"\n'
+                    '        inner_product_param { num_output: 2 } }\n')
+    with pytest.raises(NetError) as info:
+        Net(str(path), phase=TEST)
+    assert str(info.value).endswith(
+        'is made only by 3 layers "data" (Input), which the include/exclude rules drop in this '
+        'state (phase TEST, level 0, stages: none); --phase TRAIN keeps layer "data"; --stage '
+        'on-train keeps layer "data"; or --stage on-test keeps layer "data"')
+    assert Net(str(path), phase=TEST, stages=("on-test",)).blobs["ip"].shape == (1, 2)
+
+
 def _relu_chain(path, layers):
     path.write_text('layer { name: "data" type: "Input" top: "x" input_param { shape { dim: 1 '
                     'dim: 4 } } }\n' + "".join(f'layer {{ name: "r{i}" type: "ReLU" bottom: "x" '

@@ -71,7 +71,12 @@ def filter_net(net, smap=None):
 
 
 def _names(layers):
-    return ", ".join(f'layer "{l.name}" ({l.type})' for l in layers)
+    """Layers named once each: nets often give one name to a producer per phase or stage."""
+    counts = {}
+    for l in layers:
+        counts[l.name, l.type] = counts.get((l.name, l.type), 0) + 1
+    return ", ".join(f'layer "{name}" ({kind})' if n == 1 else f'{n} layers "{name}" ({kind})'
+                     for (name, kind), n in counts.items())
 
 
 def _state_text(state):
@@ -81,27 +86,34 @@ def _state_text(state):
 
 
 def _keeping_state(state, layers):
-    """How the command line would keep one of `layers`: the --stage (or --phase, --level)
-    options that meet one of its include rules, or drop the stage of its exclude rule."""
-    for layer in layers:
-        for rule in layer.include:
-            if any(s in state.stage for s in rule.not_stage):
-                continue
-            options = []
-            if rule.HasField("phase") and rule.phase != state.phase:
-                options.append(f"--phase {caffe_pb2.Phase.Name(rule.phase)}")
-            if rule.HasField("min_level") and state.level < rule.min_level:
-                options.append(f"--level {rule.min_level}")
-            if rule.HasField("max_level") and state.level > rule.max_level:
-                options.append(f"--level {rule.max_level}")
-            options += [f"--stage {s}" for s in rule.stage if s not in state.stage]
-            if options:
-                return f'{" ".join(options)} keeps layer "{layer.name}"'
-        for rule in layer.exclude:
-            if state_meets_rule(state, rule):
-                gone = [s for s in rule.stage if s in state.stage]
-                if gone:
-                    return f'without --stage {" ".join(gone)}, layer "{layer.name}" is kept'
+    """How the command line would keep one of `layers`: every distinct way, each the --stage
+    (or --phase, --level) options that meet an include rule, or dropping an exclude rule's
+    stage."""
+    ways = list(dict.fromkeys(w for w in (_keeping_one(state, l) for l in layers) if w))
+    if len(ways) > 2:
+        return "; ".join(ways[:-1]) + "; or " + ways[-1]
+    return " or ".join(ways) or None
+
+
+def _keeping_one(state, layer):
+    for rule in layer.include:
+        if any(s in state.stage for s in rule.not_stage):
+            continue
+        options = []
+        if rule.HasField("phase") and rule.phase != state.phase:
+            options.append(f"--phase {caffe_pb2.Phase.Name(rule.phase)}")
+        if rule.HasField("min_level") and state.level < rule.min_level:
+            options.append(f"--level {rule.min_level}")
+        if rule.HasField("max_level") and state.level > rule.max_level:
+            options.append(f"--level {rule.max_level}")
+        options += [f"--stage {s}" for s in rule.stage if s not in state.stage]
+        if options:
+            return f'{" ".join(options)} keeps layer "{layer.name}"'
+    for rule in layer.exclude:
+        if state_meets_rule(state, rule):
+            gone = [s for s in rule.stage if s in state.stage]
+            if gone:
+                return f'without --stage {" ".join(gone)}, layer "{layer.name}" is kept'
     return None
 
 
