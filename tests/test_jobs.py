@@ -376,7 +376,7 @@ def test_watchdog_leaves_a_slow_rank_alone(tmp_path, run):
 @pytest.mark.parametrize("fault, expected", [
     ("memory", r"\[rank 1\] caffepar: error: out of memory$"),
     ("sys.exit", r"\[rank 1\] caffepar: exited \(status 0\) before the job finished$"),
-    ("exit0", r"\[rank 1\] caffepar: ended before the job finished, without an error message"),
+    ("exit0", r"\[rank 1\] caffepar: exited \(os._exit\(0\)\) before the job finished$"),
 ])
 def test_rank_failure_is_one_line_naming_the_rank(tmp_path, run, fault, expected):
     job = run(workdir(tmp_path, {"rank": 1, "at": 3, "do": fault}))
@@ -443,12 +443,15 @@ def test_stale_job_folders_are_removed(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
 
 
-@pytest.mark.parametrize("fault", ["memory", "hang", "kill"])
+@pytest.mark.parametrize("fault", ["memory", "hang", "kill", "sys.exit", "exit0", "nan",
+                                   "sigterm"])
 def test_plain_mpiexec_status_tells_the_failure(tmp_path, fault):
     """Under a plain `mpiexec -n 2 caffepar train` (a cluster's launch) a job that ends badly
     exits non-zero, with one line naming the rank (the process manager's own banner for a
-    killed rank)."""
-    folder = workdir(tmp_path, None if fault == "kill" else {"rank": 1, "at": 12, "do": fault})
+    killed rank), also when a rank ends its process with status 0 (MPICH's mpiexec would exit
+    0). SIGTERM to mpiexec snapshots and stops: status 0, as one process."""
+    own = fault in ("kill", "sigterm")
+    folder = workdir(tmp_path, None if own else {"rank": 1, "at": 12, "do": fault})
     path = os.pathsep.join(filter(None, [str(HERE / "mpi"), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([find_mpiexec(), "-n", "2", sys.executable, "-m", "caffepar.cli",
@@ -461,14 +464,27 @@ def test_plain_mpiexec_status_tells_the_failure(tmp_path, fault):
             assert pid
             time.sleep(1)
             os.kill(int((folder / "pids/rank1.pid").read_text().split()[0]), signal.SIGKILL)
+        elif fault == "sigterm":
+            assert wait_until(lambda: (folder / "pids/rank1.pid").exists(), 60)
+            time.sleep(1)
+            proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    if fault == "sigterm":
+        assert proc.returncode == 0 and len(snapshots(folder)) == 1, out[-2000:]
+        assert error_lines(out) == [], out[-2000:]
+        return
     assert proc.returncode != 0, out[-2000:]
     if fault != "kill":
         lines = error_lines(out)
-        assert len(lines) == 1 and "rank 1" in lines[0], out[-2000:]
+        if fault == "nan":      # every rank sees the loss; each names its first non-finite top
+            assert all("the loss is nan" in line for line in lines), out[-2000:]
+            assert any(line.startswith("[rank 1]") and '"fault"' in line for line in lines)
+        else:
+            assert len(lines) == 1 and "rank 1" in lines[0], out[-2000:]
+        assert "Traceback" not in out
 
 
 def test_rank_that_vanished_first_is_blamed_not_the_one_whose_mpi_failed(tmp_path, capsys):

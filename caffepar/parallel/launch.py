@@ -302,11 +302,36 @@ class Job:
             _say([f"caffepar: mpiexec (the process manager) was ended by "
                   f"{signal.Signals(-status).name}; ranks {_ranks(missing)} did not finish"])
             return 1
+        stuck = [line for line in map(self._stuck, missing) if line]
+        if stuck:
+            _say(merge_rank_lines(stuck))
+            return 1
         first = [r for r in self.gone if r in missing][:1] or missing
         label = f"[rank {first[0]}]" if len(first) == 1 else f"[ranks {_ranks(first)}]"
         _say([f"{label} caffepar: ended before the job finished, without an error message "
               f"(killed by a signal, or exited on its own); mpiexec's exit status {status}"])
         return 1
+
+
+    def _stuck(self, rank):
+        """The report line of a rank ended by its watchdog's last resort (stuck holding the
+        interpreter lock; Watchdog.backstop), from the stacks it wrote, or None."""
+        try:
+            with open(os.path.join(self.folder, f"rank{rank}.stuck"), encoding="utf-8",
+                      errors="replace") as f:
+                text = f.read()
+        except OSError:
+            return None
+        found = re.match(r"Timeout \((\d+):(\d+):(\d+)", text)
+        if not found:
+            return None
+        h, m, sec = map(int, found.groups())
+        main = text.rstrip().split("\n\n")[-1]       # the main thread's stack comes last
+        frame = re.search(r'File "([^"]*)", line (\d+) in (\S+)', main)
+        where = f" ({os.path.basename(frame.group(1))}:{frame.group(2)}, in {frame.group(3)})" \
+            if frame else ""
+        return (f"[rank {rank}] caffepar: stuck {3600 * h + 60 * m + sec} s in compiled code "
+                f"that holds the interpreter lock{where}; ended")
 
 
 def _signal(pid, signum):
@@ -396,13 +421,49 @@ def _write_job_file(path, text):
 
 
 def register_rank(comm):
-    """Tell the launcher (if caffepar's launcher started this job) which process is this rank."""
+    """Tell the launcher (if caffepar's launcher started this job) which process is this rank;
+    from now on the rank cannot end the job unseen (guard_exit)."""
     path = _job_file(comm, "pid")
     if path:
         try:
             _write_job_file(path, f"{os.getpid()} {socket.gethostname()}\n")
         except OSError:     # a rank on another host, without the launcher's folder
             pass
+    guard_exit(comm)
+
+
+def stuck_file(comm):
+    """Where the watchdog's last resort writes the stacks of a rank stuck holding the
+    interpreter lock: `rank<r>.stuck` in the job folder (the launcher reports it), else stderr."""
+    path = _job_file(comm, "stuck")
+    if path:
+        try:
+            return open(path, "w", encoding="utf-8")
+        except OSError:
+            pass
+    return sys.stderr
+
+
+_os_exit = os._exit
+
+
+def guard_exit(comm):
+    """os._exit in this rank (a Python layer ending its process) before the job ends ends the
+    job through abort_all: non-zero, in one line naming the rank.
+
+    A rank that just vanishes cannot be reported by the others: MPICH's mpiexec kills them at
+    once (SIGKILL, before they can act) and, when the vanished rank's status was 0, exits 0
+    itself, so a scheduler would record a failed job as a success. Processes forked by the rank
+    (their os._exit ends only them) are left alone."""
+    owner = os.getpid()
+
+    def _exit(code):
+        if os.getpid() == owner:
+            abort_all(comm, f"[rank {comm.rank}] caffepar: exited (os._exit({code})) before "
+                      "the job finished", code or 1)
+        _os_exit(code)
+
+    os._exit = _exit
 
 
 def finish_rank(comm):
@@ -418,6 +479,7 @@ def finish_rank(comm):
             _write_job_file(path, "0\n")
         except OSError:
             pass
+    os._exit = _os_exit
 
 
 def abort_all(comm, line, code=1, hard=False):
@@ -445,7 +507,7 @@ def abort_all(comm, line, code=1, hard=False):
     if not written and not hard:       # hard: no process manager left to abort through
         _silence_output()
         comm.abort(code)
-    os._exit(code)
+    _os_exit(code)
 
 
 def _silence_output():
