@@ -347,6 +347,62 @@ def test_lost_launcher_ends_a_job_blocked_by_a_hung_rank(tmp_path, run):
     assert all_ended(processes, 20) == [], job.output
 
 
+def test_rank_stuck_holding_the_interpreter_lock_ends(tmp_path, run):
+    """Every rank stuck in a C call that holds the interpreter lock: no watchdog thread can
+    run, and no rank ends, so nothing ends the job but the last resort that needs no lock. It
+    ends within its time (--watchdog 2, plus the grace), reported in one line naming where."""
+    from caffepar.parallel.comm import Watchdog
+    job = run(workdir(tmp_path, {"rank": "all", "at": 25, "do": "gil", "seconds": 120}),
+              args=["--watchdog", 2])
+    job.rank_pids()
+    job.wait_for("Iteration 20,")
+    processes = job.processes()
+    t0 = time.monotonic()
+    assert job.finish(60) == 1
+    assert time.monotonic() - t0 < 2 + Watchdog.GRACE + 10
+    assert all_ended(processes, 10) == []
+    lines = error_lines(job.output)
+    assert len(lines) == 1, job.output[-3000:]
+    assert re.fullmatch(r"\[ranks? [0-9, ]+\] caffepar: stuck 12 s in compiled code that holds "
+                        r"the interpreter lock \(faults\.py:\d+, in forward\); ended",
+                        lines[0]), lines[0]
+    assert "Traceback" not in job.output and "Timeout" not in job.output
+
+
+def test_snapshot_slower_than_the_watchdog_is_waited_for(tmp_path, run):
+    """Rank 0 writes the snapshot (made slower than --watchdog here) while rank 1 waits at the
+    barrier after it: rank 0 says it is busy, so rank 1 waits on; the run ends 0 with a whole
+    snapshot."""
+    from caffepar.io.weights import read_caffemodel
+    from caffepar.solvers.snapshot import read_binary
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import time\n"
+        "import caffepar.solvers.solver as s\n"
+        "_save = s.save_caffemodel\n"
+        "def slow(*args, **kwargs):\n"
+        "    time.sleep(5)\n"
+        "    return _save(*args, **kwargs)\n"
+        "s.save_caffemodel = slow\n")
+    folder = workdir(tmp_path, max_iter=12)
+    os.environ["PYTHONPATH"], before = os.pathsep.join(
+        filter(None, [str(site), os.environ.get("PYTHONPATH")])), os.environ.get("PYTHONPATH")
+    try:
+        job = run(folder, args=["--watchdog", 2])
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+    assert job.finish(60) == 0, job.output[-3000:]
+    assert error_lines(job.output) == [], job.output[-3000:]
+    assert snapshots(folder) == [12]
+    model = read_caffemodel(str(folder / "snap/tiny_iter_12.caffemodel")).by_name()
+    assert [b[0].size for b in model["ip1"] + model["ip2"]] == [160, 16, 48, 3]
+    assert read_binary(str(folder / "snap/tiny_iter_12.solverstate")).iter == 12
+
+
 def test_watchdog_limit_adapts_to_the_job():
     """Without --watchdog: FIRST seconds in the first iteration, then FACTOR times the longest
     computation between two collectives, never below FLOOR."""

@@ -437,6 +437,7 @@ class Watchdog:
 
     def start(self):
         import atexit
+        self.backstop()
         self.thread.start()
         atexit.register(self.stop)      # before MPI_Finalize (registered earlier, run later)
 
@@ -558,6 +559,8 @@ class Watchdog:
         number, op, tag, since = waiting
         comm = self.comm
         answers, request = self._ask(number, request, query)
+        if self.stopping.is_set() or (comm.waiting or (None,))[0] != number:
+            return request      # it completed while the others were asked (they may be gone)
         waited = time.monotonic() - since
         others = [r for r in range(comm.size) if r != comm.rank]
         late = sorted(r for r in others if r not in answers or answers[r][0] < number)

@@ -1,6 +1,6 @@
 """A pass-through Python layer that injects faults into one rank of a job (tests/test_jobs.py).
 
-param_str is JSON: {"sleep": seconds per forward, "pids": folder, "rank": r, "at": forward
+param_str is JSON: {"sleep": seconds per forward, "pids": folder, "rank": r (or "all"), "at": forward
 number, "do": "hang" | "exit0" | "sys.exit" | "memory" | "raise" | "nan" | "slow" |
 "gil" (sleeps `seconds` in C holding the GIL)}. With "pids", every rank writes
 `rank<r>.pid` ("pid parent-pid") there at setup, so a test can kill a rank or its process manager.
@@ -41,7 +41,7 @@ class Fault(caffe.Layer):
     def forward(self, bottom, top):
         self.calls += 1
         time.sleep(self.conf.get("sleep", 0))
-        if self.rank == self.conf.get("rank") and self.calls == self.conf.get("at"):
+        if self.conf.get("rank") in (self.rank, "all") and self.calls == self.conf.get("at"):
             what = self.conf["do"]
             if what == "hang":
                 time.sleep(3600)
