@@ -543,16 +543,23 @@ def test_plain_mpiexec_status_tells_the_failure(tmp_path, fault):
         assert "Traceback" not in out
 
 
-def test_rank_that_vanished_first_is_blamed_not_the_one_whose_mpi_failed(tmp_path, capsys):
-    """kill -9 of rank 1: rank 0's MPI then fails too and reports it; the job's line names
-    rank 1, which ended first without a word."""
+@pytest.mark.parametrize("gone", [[1, 0], [0, 1]])
+def test_rank_that_vanished_first_is_blamed_not_the_one_whose_mpi_failed(tmp_path, capsys, gone):
+    """kill -9 of rank 1: rank 0's MPI then fails too and reports it, in one line (not MPICH's
+    error stack); the job's line names rank 1, which ended without a word, also when the
+    launcher saw both end at once (in either order)."""
+    from mpi4py import MPI
+    from caffepar.cli import failure
     from caffepar.parallel.launch import Job
+    stack = MPI.Exception(MPI.ERR_OTHER)
+    code, line = failure(stack)
+    assert code == 1 and line == ("caffepar: MPI failed (Other MPI error): another rank, or the "
+                                  "link to it, is gone?")
     job = Job(["mpiexec"], {}, str(tmp_path), 2)
-    (tmp_path / "rank0.end").write_text("1\n[rank 0] caffepar: error: Exception: Other MPI error, "
-                                        "error stack: ...\n")
+    (tmp_path / "rank0.end").write_text(f"1\n[rank 0] {line}\n")
     job.proc = subprocess.Popen(["true"])
     job.proc.wait()
-    job.gone = [1, 0]
+    job.gone = gone
     assert job._report() == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("[rank 1] caffepar: ended before the job finished")

@@ -474,12 +474,15 @@ class Watchdog:
             if self.can_ask else None
         while not self.stopping.wait(self.INTERVAL):
             self.backstop()
-            request = self._answer(request, query)
-            self._check_parents()
-            request = self._check_stop(request, query)
-            waiting, limit = self.comm.waiting, self.limit()
-            if limit and waiting and self._waited(waiting) > limit:
-                request = self._expired(waiting, request, query, limit)
+            try:
+                request = self._answer(request, query)
+                self._check_parents()
+                request = self._check_stop(request, query)
+                waiting, limit = self.comm.waiting, self.limit()
+                if limit and waiting and self._waited(waiting) > limit:
+                    request = self._expired(waiting, request, query, limit)
+            except self.MPI.Exception as error:     # a rank gone: one line, not a traceback
+                self._end_job(f"[rank {self.comm.rank}] {mpi_failure(error)}")
         if request is not None:
             request.Cancel()
             request.Wait()
@@ -595,6 +598,23 @@ class Watchdog:
     def _end_job(self, line):
         from caffepar.parallel.launch import abort_all
         abort_all(self.comm, line, hard=bool(self.orphaned))
+
+
+#: How a rank reports an MPI call that failed: most often the consequence of another rank, or
+#: the link to it, gone (the launcher then names that rank instead).
+MPI_FAILED = "caffepar: MPI failed"
+
+
+def mpi_failure(error):
+    """One line for an exception of mpi4py (its text is MPICH's whole error stack), or None."""
+    if type(error).__module__ != "mpi4py.MPI" or not hasattr(error, "Get_error_class"):
+        return None
+    try:
+        from mpi4py import MPI
+        what = MPI.Get_error_string(error.Get_error_class())
+    except Exception:           # noqa: BLE001 - the line must come out whatever MPI's state
+        what = str(error).partition("\n")[0].split(", error stack")[0]
+    return f"{MPI_FAILED} ({what}): another rank, or the link to it, is gone?"
 
 
 _LAUNCH_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",

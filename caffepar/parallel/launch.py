@@ -24,6 +24,7 @@ import tempfile
 import time
 
 from caffepar._threads import threads_per_rank
+from caffepar.parallel.comm import MPI_FAILED
 
 #: Set by `relaunch` for the ranks: the job folder, and the launcher's pid.
 JOB_DIR_VAR = "CAFFEPAR_JOB_DIR"
@@ -290,6 +291,8 @@ class Job:
         first = self.gone[0] if self.gone else None
         if failed and first is not None and first not in ends:
             failed = []     # the others' errors follow from the rank that vanished first
+        if any(r not in ends for r in range(self.size)):    # and an MPI failure, from any
+            failed = [f for f in failed if MPI_FAILED not in f[2]]
         if failed:
             _say(merge_rank_lines([line for _r, _c, line in failed]))
             return failed[0][1]
