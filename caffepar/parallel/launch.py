@@ -10,7 +10,8 @@ mpiexec SIGTERM (Linux's parent-death signal), which it forwards to the ranks: t
 stop; each rank also checks that the launcher is alive (the same request where there is no
 parent-death signal). Ranks note in a job folder their pid and how they ended; the launcher
 prints each failure once, as one line naming the rank, and names a rank that ended without a
-word (killed, or exited on its own).
+word (killed, or exited on its own). The launcher, not hydra, ends the other ranks after a
+failure, once it has seen which rank ended first.
 """
 import os
 import re
@@ -140,7 +141,8 @@ def relaunch(ranks, argv, threads=None, mpiexec=None, transport=None):
     folder = tempfile.mkdtemp(prefix=f"{JOB_PREFIX}{os.getpid()}-")
     env[JOB_DIR_VAR] = folder
     env[LAUNCHER_VAR] = str(os.getpid())
-    cmd = [exe, "-n", str(ranks), sys.executable, "-m", "caffepar.cli"] + list(argv)
+    cmd = [exe] + _own_cleanup(exe) + ["-n", str(ranks), sys.executable, "-m",
+                                         "caffepar.cli"] + list(argv)
     try:
         status = Job(cmd, env, folder, ranks).run()
     finally:
@@ -150,6 +152,18 @@ def relaunch(ranks, argv, threads=None, mpiexec=None, transport=None):
         os.kill(os.getpid(), -status)
         status = 128 - status
     return status
+
+
+def _own_cleanup(exe):
+    """Options that leave ending the ranks after a failure to the launcher: hydra's mpiexec
+    kills the other ranks the moment one ends badly, often before the launcher has seen which
+    one ended first (it would then blame a rank that did nothing wrong)."""
+    try:
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return ["-disable-auto-cleanup"] if "HYDRA" in version else []
 
 
 class Job:
@@ -168,6 +182,7 @@ class Job:
         self.received = []      # signals the launcher got
         self.poller = select.poll() if hasattr(os, "pidfd_open") else None
         self.proc = None
+        self.ending = False      # a rank failed: the others are being ended
 
     # ---- running
     def run(self):
@@ -183,6 +198,7 @@ class Job:
             while self.proc.poll() is None:
                 self._register()
                 self._wait()
+                self._end_after_failure()
             self._register()
         finally:
             for sig, handler in previous.items():
@@ -249,6 +265,20 @@ class Job:
             os.close(fd)
             if rank is not None:
                 self.gone.append(rank)
+
+    def _end_after_failure(self):
+        """A rank that ended without finishing (no end record, or a failure's): the others
+        cannot go on, and are ended (SIGKILL, as hydra's own clean-up), now that the launcher
+        knows which rank ended first."""
+        if self.ending or not self.gone:
+            return
+        ends = self._ends()
+        if all(ends.get(r, (1, ""))[0] == 0 for r in self.gone):
+            return
+        self.ending = True
+        for rank, pid in self.pids.items():
+            if rank not in self.gone:
+                _signal(pid, signal.SIGKILL)
 
     def _end_leftovers(self):
         """Ranks still running once mpiexec has ended (a process manager killed under them):
