@@ -543,6 +543,29 @@ def test_plain_mpiexec_status_tells_the_failure(tmp_path, fault):
         assert "Traceback" not in out
 
 
+@pytest.mark.parametrize("record, killed", [(None, True), ("1\n[rank 1] caffepar: error\n", True),
+                                            ("0\n", False)])
+def test_launcher_ends_the_others_once_it_saw_which_rank_ended(tmp_path, record, killed):
+    """hydra's clean-up is off under the launcher (it killed the other ranks before the
+    launcher could see which ended first): a rank that ended without finishing, with no end
+    record or a failure's, has the launcher end the others; one that finished does not."""
+    from caffepar.parallel.launch import Job, _own_cleanup, find_mpiexec
+    assert _own_cleanup(find_mpiexec()) == ["-disable-auto-cleanup"]       # the mpich wheel's
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        job = Job(["mpiexec"], {}, str(tmp_path), 2)
+        job.pids = {0: other.pid, 1: 1 << 22}
+        job.gone = [1]
+        if record:
+            (tmp_path / "rank1.end").write_text(record)
+        job._end_after_failure()
+        ended = other.wait(10) if killed else other.poll()
+        assert (ended == -signal.SIGKILL) if killed else ended is None
+    finally:
+        other.kill()
+        other.wait()
+
+
 @pytest.mark.parametrize("gone", [[1, 0], [0, 1]])
 def test_rank_that_vanished_first_is_blamed_not_the_one_whose_mpi_failed(tmp_path, capsys, gone):
     """kill -9 of rank 1: rank 0's MPI then fails too and reports it, in one line (not MPICH's
