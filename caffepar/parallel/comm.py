@@ -561,7 +561,8 @@ class Watchdog:
         snapshot, or a lower rank that waits there too will say it."""
         number, op, tag, since = waiting
         comm = self.comm
-        answers, request = self._ask(number, request, query)
+        # orphaned: no launcher reads the line, and the ranks asked may be gone (5 s lost)
+        answers, request = ({}, request) if self.orphaned else self._ask(number, request, query)
         if self.stopping.is_set() or (comm.waiting or (None,))[0] != number:
             return request      # it completed while the others were asked (they may be gone)
         waited = time.monotonic() - since
