@@ -821,7 +821,8 @@ def failure(error, debug=False):
     if isinstance(error, OSError):
         where = f"{error.filename}: " if getattr(error, "filename", None) else ""
         return 1, f"caffepar: {where}error: {error.strerror or error}"
-    return 1, None
+    from caffepar.parallel.comm import mpi_failure
+    return 1, mpi_failure(error)
 
 
 def _end_rank(comm, error, debug):

@@ -111,7 +111,7 @@ def killed_rank(folder):
     seconds = time.monotonic() - t0
     lines = verdict(job.output)
     ok = code == 1 and len(lines) == 1 and lines[0].startswith("[rank 1]") and \
-        not all_ended(processes, 10)
+        not all_ended(processes, 10) and "error stack" not in job.output
     return ok, seconds, lines[0] if lines else f"exit {code}", f"exit {code}, {len(lines)} line(s)"
 
 
@@ -257,6 +257,117 @@ def huge_net(layers):
     return run
 
 
+def _plain_mpiexec(folder, args=()):
+    """`mpiexec -n 2 caffepar train` as on a cluster (no caffepar launcher), output merged."""
+    from caffepar.parallel.launch import find_mpiexec
+    return subprocess.Popen([find_mpiexec(), "-n", "2", sys.executable, "-m", "caffepar.cli",
+                             "train", "--solver", "solver.prototxt"] + [str(a) for a in args],
+                            cwd=folder, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def ends_badly(way, plain):
+    """Rank 1 ends the job badly (`way`: the fault layer's os._exit(0), sys.exit(0), an
+    exception, a NaN, a hang with --watchdog 10, or kill -9 from outside), under a plain mpiexec
+    or caffepar's launcher. Documented: a non-zero status and a line naming rank 1 (a NaN: every
+    rank's line, rank 1's naming the layer), no traceback nor MPI error stack. `sigterm`:
+    SIGTERM to mpiexec or the launcher snapshots and stops, status 0."""
+    def run(folder):
+        faults = {"exit0": "exit0", "sys.exit": "sys.exit", "exception": "raise", "nan": "nan",
+                  "hang": "hang"}
+        workdir(folder, {"rank": 1, "at": 12, "do": faults[way]} if way in faults else None)
+        args = ["--watchdog", 10] if way == "hang" else []
+        if plain:
+            proc = _plain_mpiexec(folder, args)
+        else:
+            job = Run(folder, 2, args)
+            proc = job.proc
+        t0 = time.monotonic()
+        try:
+            if way in ("kill", "sigterm"):
+                assert wait_until(lambda: (folder / "pids/rank1.pid").exists(), 120)
+                time.sleep(1)
+                t0 = time.monotonic()
+                if way == "kill":
+                    os.kill(int((folder / "pids/rank1.pid").read_text().split()[0]),
+                            signal.SIGKILL)
+                else:
+                    proc.send_signal(signal.SIGTERM)
+            if plain:
+                out, _ = proc.communicate(timeout=180)
+                code = proc.returncode
+            else:
+                code = job.finish(180)
+                out = job.output
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        seconds = time.monotonic() - t0
+        lines = verdict(out)
+        clean = "Traceback" not in out and "error stack" not in out
+        if way == "sigterm":
+            ok = code == 0 and len(snapshots(folder)) == 1 and not lines and clean
+            return ok, seconds, f"exit {code}; {len(snapshots(folder))} snapshot(s)", ""
+        if way == "nan":
+            named = all("the loss is nan" in line for line in lines) and any(
+                line.startswith("[rank 1]") and '"fault"' in line for line in lines)
+        elif way == "kill" and plain:
+            named = not lines       # hydra's own banner names the killed process
+        else:
+            named = len(lines) == 1 and "rank 1" in lines[0]
+        ok = code != 0 and named and clean
+        message = (lines[-1] if lines else "(hydra's banner only)") + f" [exit {code}]"
+        return ok, seconds, message, f"{len(lines)} line(s)"
+    return run
+
+
+def stuck_holding_the_lock(folder):
+    """Every rank stuck in a C call that holds the interpreter lock (no watchdog thread can run,
+    no rank ends), --watchdog 5: the last resort (no lock needed) ends the job in one line."""
+    workdir(folder, {"rank": "all", "at": 25, "do": "gil", "seconds": 300})
+    job = Run(folder, 2, ["--watchdog", 5])
+    job.rank_pids(120)
+    job.wait_for("Iteration 20,", timeout=120)
+    processes = job.processes()
+    t0 = time.monotonic()
+    code = job.finish(120)
+    seconds = time.monotonic() - t0
+    lines = verdict(job.output)
+    ok = code == 1 and len(lines) == 1 and "holds the interpreter lock" in lines[0] and \
+        not all_ended(processes, 10) and "Traceback" not in job.output
+    return ok, seconds, lines[0] if lines else f"exit {code}", f"exit {code}"
+
+
+def slow_snapshot(folder):
+    """Rank 0's snapshot takes 5 s (a sleep put around the writer by a sitecustomize) with
+    --watchdog 2: rank 1 waits on (rank 0 says it is busy); exit 0, the snapshot whole."""
+    from caffepar.io.weights import read_caffemodel
+    from caffepar.solvers.snapshot import read_binary
+    site = folder / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import time\nimport caffepar.solvers.solver as s\n_save = s.save_caffemodel\n"
+        "def slow(*args, **kwargs):\n    time.sleep(5)\n    return _save(*args, **kwargs)\n"
+        "s.save_caffemodel = slow\n")
+    workdir(folder, max_iter=12)
+    before = os.environ["PYTHONPATH"]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), before])
+    try:
+        job = Run(folder, 2, ["--watchdog", 2])
+    finally:
+        os.environ["PYTHONPATH"] = before
+    t0 = time.monotonic()
+    job.wait_for("Snapshotting to", timeout=120)
+    code = job.finish(120)
+    seconds = time.monotonic() - t0
+    whole = snapshots(folder) == [12] and read_binary(
+        str(folder / "snap/tiny_iter_12.solverstate")).iter == 12 and [
+        b[0].size for b in read_caffemodel(str(folder / "snap/tiny_iter_12.caffemodel"))
+        .by_name()["ip1"]] == [160, 16]
+    ok = code == 0 and whole and not verdict(job.output)
+    return ok, seconds, f"exit {code}; snapshot whole: {whole}", ""
+
+
 ROWS = [
     ("SIGINT at startup (0.3 s), 1 process", signal_at("SIGINT", 1, 0.3)),
     ("SIGINT at startup (0.3 s), --np 2", signal_at("SIGINT", 2, 0.3)),
@@ -274,8 +385,20 @@ ROWS = [
     ("disk full, binary snapshot", disk_full("BINARYPROTO")),
     ("disk full, HDF5 snapshot", disk_full("HDF5")),
     ("huge net, 100,000 layers: convert info", huge_net(100000)),
+    ("kill -9 of rank 1, --np 2, many runs", killed_rank),
+] + [(f"{what}, {'plain mpiexec -n 2' if plain else '--np 2'}", ends_badly(way, plain))
+     for plain in (True, False)
+     for way, what in [("exit0", "rank 1 calls os._exit(0)"),
+                       ("sys.exit", "rank 1 calls sys.exit(0)"),
+                       ("exception", "an exception in rank 1"), ("nan", "a NaN in rank 1"),
+                       ("hang", "rank 1 hung, --watchdog 10"), ("kill", "kill -9 of rank 1"),
+                       ("sigterm", "SIGTERM to mpiexec")]
+     if plain or way in ("exit0", "exception", "nan")] + [
+    ("every rank stuck holding the interpreter lock, --watchdog 5", stuck_holding_the_lock),
+    ("snapshot (5 s) slower than --watchdog 2", slow_snapshot),
 ]
 SINGLE = {"huge net, 100,000 layers: convert info"}       # one run is the measurement
+MANY = {"kill -9 of rank 1, --np 2, many runs": 20}     # a race seen 1 run in 10
 
 
 def _cpu(pid):
@@ -307,7 +430,7 @@ def main():
     for name, fn in ROWS:
         if args.only and not any(o in name for o in args.only):
             continue
-        runs = 1 if name in SINGLE else args.runs
+        runs = 1 if name in SINGLE else MANY.get(name, args.runs)
         for k in range(runs):
             if any(r["row"] == name and int(r["run"]) == k for r in done):
                 continue
@@ -367,11 +490,21 @@ def _write_md(out, rows):
               "computed between two collectives, at least 60 s. The waiting rank's share of a "
               "core is measured over 10 s of its wait (MPICH's own wait spun it at 50% in the "
               "same test before it polled with naps).",
+              "- Plain `mpiexec -n 2` (a cluster's launch, no caffepar launcher): every way a "
+              "job ends badly exits non-zero. A rank that calls os._exit(0) ends the job "
+              "through MPI_Abort with its line (MPICH's mpiexec would otherwise kill the other "
+              "ranks and exit 0); kill -9 of a rank is reported by hydra's own banner. A NaN "
+              "loss is seen by every rank: one line each, rank 1's naming the layer.",
+              "- Faults a layer injects (exits, an exception, a NaN, a hang): seconds from the "
+              "launch (the fault comes at the 12th forward) or, for the hang and the stuck "
+              "ranks, from the iteration before it.",
+              "- Stuck holding the interpreter lock: no Python thread can run, so the "
+              "watchdog's last resort (faulthandler's timer, a C thread) ends each rank after "
+              "the watchdog limit plus 10 s; the launcher reports where it was stuck.",
+              "- kill -9, many runs: the rank that vanished is named, never a rank whose MPI "
+              "then failed, and no MPI error stack is printed.",
               "- Not run here: a net too large for the machine's memory (refused before it is "
-              "built; tests/test_net.py checks it with the available memory made small), and "
-              "a rank that calls exit(0) in the middle of a plain `mpiexec` job (MPICH's "
-              "mpiexec then ends the other ranks and exits 0: only caffepar's launcher, which "
-              "sees the rank end without its end record, reports it)."]
+              "built; tests/test_net.py checks it with the available memory made small)."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out.with_suffix('.md')}")
 

@@ -347,6 +347,62 @@ def test_lost_launcher_ends_a_job_blocked_by_a_hung_rank(tmp_path, run):
     assert all_ended(processes, 20) == [], job.output
 
 
+def test_rank_stuck_holding_the_interpreter_lock_ends(tmp_path, run):
+    """Every rank stuck in a C call that holds the interpreter lock: no watchdog thread can
+    run, and no rank ends, so nothing ends the job but the last resort that needs no lock. It
+    ends within its time (--watchdog 2, plus the grace), reported in one line naming where."""
+    from caffepar.parallel.comm import Watchdog
+    job = run(workdir(tmp_path, {"rank": "all", "at": 25, "do": "gil", "seconds": 120}),
+              args=["--watchdog", 2])
+    job.rank_pids()
+    job.wait_for("Iteration 20,")
+    processes = job.processes()
+    t0 = time.monotonic()
+    assert job.finish(60) == 1
+    assert time.monotonic() - t0 < 2 + Watchdog.GRACE + 10
+    assert all_ended(processes, 10) == []
+    lines = error_lines(job.output)
+    assert len(lines) == 1, job.output[-3000:]
+    assert re.fullmatch(r"\[ranks? [0-9, ]+\] caffepar: stuck 12 s in compiled code that holds "
+                        r"the interpreter lock \(faults\.py:\d+, in forward\); ended",
+                        lines[0]), lines[0]
+    assert "Traceback" not in job.output and "Timeout" not in job.output
+
+
+def test_snapshot_slower_than_the_watchdog_is_waited_for(tmp_path, run):
+    """Rank 0 writes the snapshot (made slower than --watchdog here) while rank 1 waits at the
+    barrier after it: rank 0 says it is busy, so rank 1 waits on; the run ends 0 with a whole
+    snapshot."""
+    from caffepar.io.weights import read_caffemodel
+    from caffepar.solvers.snapshot import read_binary
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import time\n"
+        "import caffepar.solvers.solver as s\n"
+        "_save = s.save_caffemodel\n"
+        "def slow(*args, **kwargs):\n"
+        "    time.sleep(5)\n"
+        "    return _save(*args, **kwargs)\n"
+        "s.save_caffemodel = slow\n")
+    folder = workdir(tmp_path, max_iter=12)
+    os.environ["PYTHONPATH"], before = os.pathsep.join(
+        filter(None, [str(site), os.environ.get("PYTHONPATH")])), os.environ.get("PYTHONPATH")
+    try:
+        job = run(folder, args=["--watchdog", 2])
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+    assert job.finish(60) == 0, job.output[-3000:]
+    assert error_lines(job.output) == [], job.output[-3000:]
+    assert snapshots(folder) == [12]
+    model = read_caffemodel(str(folder / "snap/tiny_iter_12.caffemodel")).by_name()
+    assert [b[0].size for b in model["ip1"] + model["ip2"]] == [160, 16, 48, 3]
+    assert read_binary(str(folder / "snap/tiny_iter_12.solverstate")).iter == 12
+
+
 def test_watchdog_limit_adapts_to_the_job():
     """Without --watchdog: FIRST seconds in the first iteration, then FACTOR times the longest
     computation between two collectives, never below FLOOR."""
@@ -376,7 +432,7 @@ def test_watchdog_leaves_a_slow_rank_alone(tmp_path, run):
 @pytest.mark.parametrize("fault, expected", [
     ("memory", r"\[rank 1\] caffepar: error: out of memory$"),
     ("sys.exit", r"\[rank 1\] caffepar: exited \(status 0\) before the job finished$"),
-    ("exit0", r"\[rank 1\] caffepar: ended before the job finished, without an error message"),
+    ("exit0", r"\[rank 1\] caffepar: exited \(os._exit\(0\)\) before the job finished$"),
 ])
 def test_rank_failure_is_one_line_naming_the_rank(tmp_path, run, fault, expected):
     job = run(workdir(tmp_path, {"rank": 1, "at": 3, "do": fault}))
@@ -443,12 +499,15 @@ def test_stale_job_folders_are_removed(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
 
 
-@pytest.mark.parametrize("fault", ["memory", "hang", "kill"])
+@pytest.mark.parametrize("fault", ["memory", "hang", "kill", "sys.exit", "exit0", "nan",
+                                   "sigterm"])
 def test_plain_mpiexec_status_tells_the_failure(tmp_path, fault):
     """Under a plain `mpiexec -n 2 caffepar train` (a cluster's launch) a job that ends badly
     exits non-zero, with one line naming the rank (the process manager's own banner for a
-    killed rank)."""
-    folder = workdir(tmp_path, None if fault == "kill" else {"rank": 1, "at": 12, "do": fault})
+    killed rank), also when a rank ends its process with status 0 (MPICH's mpiexec would exit
+    0). SIGTERM to mpiexec snapshots and stops: status 0, as one process."""
+    own = fault in ("kill", "sigterm")
+    folder = workdir(tmp_path, None if own else {"rank": 1, "at": 12, "do": fault})
     path = os.pathsep.join(filter(None, [str(HERE / "mpi"), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([find_mpiexec(), "-n", "2", sys.executable, "-m", "caffepar.cli",
@@ -461,26 +520,69 @@ def test_plain_mpiexec_status_tells_the_failure(tmp_path, fault):
             assert pid
             time.sleep(1)
             os.kill(int((folder / "pids/rank1.pid").read_text().split()[0]), signal.SIGKILL)
+        elif fault == "sigterm":
+            assert wait_until(lambda: (folder / "pids/rank1.pid").exists(), 60)
+            time.sleep(1)
+            proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    if fault == "sigterm":
+        assert proc.returncode == 0 and len(snapshots(folder)) == 1, out[-2000:]
+        assert error_lines(out) == [], out[-2000:]
+        return
     assert proc.returncode != 0, out[-2000:]
     if fault != "kill":
         lines = error_lines(out)
-        assert len(lines) == 1 and "rank 1" in lines[0], out[-2000:]
+        if fault == "nan":      # every rank sees the loss; each names its first non-finite top
+            assert all("the loss is nan" in line for line in lines), out[-2000:]
+            assert any(line.startswith("[rank 1]") and '"fault"' in line for line in lines)
+        else:
+            assert len(lines) == 1 and "rank 1" in lines[0], out[-2000:]
+        assert "Traceback" not in out
 
 
-def test_rank_that_vanished_first_is_blamed_not_the_one_whose_mpi_failed(tmp_path, capsys):
-    """kill -9 of rank 1: rank 0's MPI then fails too and reports it; the job's line names
-    rank 1, which ended first without a word."""
+@pytest.mark.parametrize("record, killed", [(None, True), ("1\n[rank 1] caffepar: error\n", True),
+                                            ("0\n", False)])
+def test_launcher_ends_the_others_once_it_saw_which_rank_ended(tmp_path, record, killed):
+    """hydra's clean-up is off under the launcher (it killed the other ranks before the
+    launcher could see which ended first): a rank that ended without finishing, with no end
+    record or a failure's, has the launcher end the others; one that finished does not."""
+    from caffepar.parallel.launch import Job, _own_cleanup, find_mpiexec
+    assert _own_cleanup(find_mpiexec()) == ["-disable-auto-cleanup"]       # the mpich wheel's
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        job = Job(["mpiexec"], {}, str(tmp_path), 2)
+        job.pids = {0: other.pid, 1: 1 << 22}
+        job.gone = [1]
+        if record:
+            (tmp_path / "rank1.end").write_text(record)
+        job._end_after_failure()
+        ended = other.wait(10) if killed else other.poll()
+        assert (ended == -signal.SIGKILL) if killed else ended is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+@pytest.mark.parametrize("gone", [[1, 0], [0, 1]])
+def test_rank_that_vanished_first_is_blamed_not_the_one_whose_mpi_failed(tmp_path, capsys, gone):
+    """kill -9 of rank 1: rank 0's MPI then fails too and reports it, in one line (not MPICH's
+    error stack); the job's line names rank 1, which ended without a word, also when the
+    launcher saw both end at once (in either order)."""
+    from mpi4py import MPI
+    from caffepar.cli import failure
     from caffepar.parallel.launch import Job
+    stack = MPI.Exception(MPI.ERR_OTHER)
+    code, line = failure(stack)
+    assert code == 1 and line == ("caffepar: MPI failed (Other MPI error): another rank, or the "
+                                  "link to it, is gone?")
     job = Job(["mpiexec"], {}, str(tmp_path), 2)
-    (tmp_path / "rank0.end").write_text("1\n[rank 0] caffepar: error: Exception: Other MPI error, "
-                                        "error stack: ...\n")
+    (tmp_path / "rank0.end").write_text(f"1\n[rank 0] {line}\n")
     job.proc = subprocess.Popen(["true"])
     job.proc.wait()
-    job.gone = [1, 0]
+    job.gone = gone
     assert job._report() == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("[rank 1] caffepar: ended before the job finished")

@@ -9,6 +9,7 @@ timed here, their caller knows when it started and when it saw them complete. A 
 on a communicator (`comm.timeline`) records every blocking collective.
 """
 import contextlib
+import faulthandler
 import os
 import signal
 import socket
@@ -133,6 +134,8 @@ class Comm:
     def busy(self, what):
         """A step this rank takes alone while the others wait (its watchdog tells them)."""
         self.busy_with = what
+        if self.watchdog is not None:
+            self.watchdog.backstop()        # the step may hold the interpreter lock
         try:
             yield
         finally:
@@ -399,6 +402,13 @@ class Watchdog:
       longest computation between collectives), not writing a snapshot: blocked in a collective
       or a hung layer. It ends at once, naming the rank the job waits for.
     The training thread only notes which collective it is in; the watchdog looks once a second.
+
+    All of that is Python, and needs the interpreter lock: a rank stuck in compiled code that
+    holds it (a layer's C call that does not release it) would never end, which matters once no
+    process manager is left to kill it. So each look also re-arms a last resort that needs no
+    lock, faulthandler's timer (a C thread): a rank whose watchdog could not look for as long
+    as it may wait in a collective, plus GRACE (BUSY_MAX while it writes a snapshot), writes
+    where it was stuck and exits with status 1 (see `backstop`).
     """
 
     INTERVAL = 1.0
@@ -420,12 +430,14 @@ class Watchdog:
         launcher = os.environ.get(LAUNCHER_VAR)
         self.launcher = int(launcher) if launcher and launcher.isdigit() else None
         self.orphaned = False
+        self.stuck_file = None
         self.patience = (None, 0.0)     # (collective number, when a busy rank was last seen)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="caffepar-watchdog", daemon=True)
 
     def start(self):
         import atexit
+        self.backstop()
         self.thread.start()
         atexit.register(self.stop)      # before MPI_Finalize (registered earlier, run later)
 
@@ -433,6 +445,20 @@ class Watchdog:
         self.stopping.set()
         if self.thread.is_alive():
             self.thread.join()
+        faulthandler.cancel_dump_traceback_later()
+
+    def backstop(self):
+        """(Re-)arm the last resort: exit, without the interpreter lock, if the watchdog does
+        not look again within its time. The stacks go to the job folder under caffepar's
+        launcher (which reports them in one line), else to stderr."""
+        limit = self.BUSY_MAX if self.comm.busy_with else self.limit()
+        if limit is None:
+            faulthandler.cancel_dump_traceback_later()
+            return
+        if self.stuck_file is None:
+            from caffepar.parallel.launch import stuck_file
+            self.stuck_file = stuck_file(self.comm)
+        faulthandler.dump_traceback_later(limit + self.GRACE, exit=True, file=self.stuck_file)
 
     def limit(self):
         """Seconds a rank may wait in one collective (None: for ever)."""
@@ -447,12 +473,16 @@ class Watchdog:
         request = self.side.Irecv(query, source=self.MPI.ANY_SOURCE, tag=self.QUERY) \
             if self.can_ask else None
         while not self.stopping.wait(self.INTERVAL):
-            request = self._answer(request, query)
-            self._check_parents()
-            request = self._check_stop(request, query)
-            waiting, limit = self.comm.waiting, self.limit()
-            if limit and waiting and self._waited(waiting) > limit:
-                request = self._expired(waiting, request, query, limit)
+            self.backstop()
+            try:
+                request = self._answer(request, query)
+                self._check_parents()
+                request = self._check_stop(request, query)
+                waiting, limit = self.comm.waiting, self.limit()
+                if limit and waiting and self._waited(waiting) > limit:
+                    request = self._expired(waiting, request, query, limit)
+            except self.MPI.Exception as error:     # a rank gone: one line, not a traceback
+                self._end_job(f"[rank {self.comm.rank}] {mpi_failure(error)}")
         if request is not None:
             request.Cancel()
             request.Wait()
@@ -531,7 +561,10 @@ class Watchdog:
         snapshot, or a lower rank that waits there too will say it."""
         number, op, tag, since = waiting
         comm = self.comm
-        answers, request = self._ask(number, request, query)
+        # orphaned: no launcher reads the line, and the ranks asked may be gone (5 s lost)
+        answers, request = ({}, request) if self.orphaned else self._ask(number, request, query)
+        if self.stopping.is_set() or (comm.waiting or (None,))[0] != number:
+            return request      # it completed while the others were asked (they may be gone)
         waited = time.monotonic() - since
         others = [r for r in range(comm.size) if r != comm.rank]
         late = sorted(r for r in others if r not in answers or answers[r][0] < number)
@@ -566,6 +599,23 @@ class Watchdog:
     def _end_job(self, line):
         from caffepar.parallel.launch import abort_all
         abort_all(self.comm, line, hard=bool(self.orphaned))
+
+
+#: How a rank reports an MPI call that failed: most often the consequence of another rank, or
+#: the link to it, gone (the launcher then names that rank instead).
+MPI_FAILED = "caffepar: MPI failed"
+
+
+def mpi_failure(error):
+    """One line for an exception of mpi4py (its text is MPICH's whole error stack), or None."""
+    if type(error).__module__ != "mpi4py.MPI" or not hasattr(error, "Get_error_class"):
+        return None
+    try:
+        from mpi4py import MPI
+        what = MPI.Get_error_string(error.Get_error_class())
+    except Exception:           # noqa: BLE001 - the line must come out whatever MPI's state
+        what = str(error).partition("\n")[0].split(", error stack")[0]
+    return f"{MPI_FAILED} ({what}): another rank, or the link to it, is gone?"
 
 
 _LAUNCH_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",

@@ -10,7 +10,8 @@ mpiexec SIGTERM (Linux's parent-death signal), which it forwards to the ranks: t
 stop; each rank also checks that the launcher is alive (the same request where there is no
 parent-death signal). Ranks note in a job folder their pid and how they ended; the launcher
 prints each failure once, as one line naming the rank, and names a rank that ended without a
-word (killed, or exited on its own).
+word (killed, or exited on its own). The launcher, not hydra, ends the other ranks after a
+failure, once it has seen which rank ended first.
 """
 import os
 import re
@@ -24,6 +25,7 @@ import tempfile
 import time
 
 from caffepar._threads import threads_per_rank
+from caffepar.parallel.comm import MPI_FAILED
 
 #: Set by `relaunch` for the ranks: the job folder, and the launcher's pid.
 JOB_DIR_VAR = "CAFFEPAR_JOB_DIR"
@@ -139,7 +141,8 @@ def relaunch(ranks, argv, threads=None, mpiexec=None, transport=None):
     folder = tempfile.mkdtemp(prefix=f"{JOB_PREFIX}{os.getpid()}-")
     env[JOB_DIR_VAR] = folder
     env[LAUNCHER_VAR] = str(os.getpid())
-    cmd = [exe, "-n", str(ranks), sys.executable, "-m", "caffepar.cli"] + list(argv)
+    cmd = [exe] + _own_cleanup(exe) + ["-n", str(ranks), sys.executable, "-m",
+                                         "caffepar.cli"] + list(argv)
     try:
         status = Job(cmd, env, folder, ranks).run()
     finally:
@@ -149,6 +152,18 @@ def relaunch(ranks, argv, threads=None, mpiexec=None, transport=None):
         os.kill(os.getpid(), -status)
         status = 128 - status
     return status
+
+
+def _own_cleanup(exe):
+    """Options that leave ending the ranks after a failure to the launcher: hydra's mpiexec
+    kills the other ranks the moment one ends badly, often before the launcher has seen which
+    one ended first (it would then blame a rank that did nothing wrong)."""
+    try:
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return ["-disable-auto-cleanup"] if "HYDRA" in version else []
 
 
 class Job:
@@ -167,6 +182,7 @@ class Job:
         self.received = []      # signals the launcher got
         self.poller = select.poll() if hasattr(os, "pidfd_open") else None
         self.proc = None
+        self.ending = False      # a rank failed: the others are being ended
 
     # ---- running
     def run(self):
@@ -182,6 +198,7 @@ class Job:
             while self.proc.poll() is None:
                 self._register()
                 self._wait()
+                self._end_after_failure()
             self._register()
         finally:
             for sig, handler in previous.items():
@@ -249,6 +266,20 @@ class Job:
             if rank is not None:
                 self.gone.append(rank)
 
+    def _end_after_failure(self):
+        """A rank that ended without finishing (no end record, or a failure's): the others
+        cannot go on, and are ended (SIGKILL, as hydra's own clean-up), now that the launcher
+        knows which rank ended first."""
+        if self.ending or not self.gone:
+            return
+        ends = self._ends()
+        if all(ends.get(r, (1, ""))[0] == 0 for r in self.gone):
+            return
+        self.ending = True
+        for rank, pid in self.pids.items():
+            if rank not in self.gone:
+                _signal(pid, signal.SIGKILL)
+
     def _end_leftovers(self):
         """Ranks still running once mpiexec has ended (a process manager killed under them):
         a moment to end on their own, then SIGKILL."""
@@ -290,6 +321,8 @@ class Job:
         first = self.gone[0] if self.gone else None
         if failed and first is not None and first not in ends:
             failed = []     # the others' errors follow from the rank that vanished first
+        if any(r not in ends for r in range(self.size)):    # and an MPI failure, from any
+            failed = [f for f in failed if MPI_FAILED not in f[2]]
         if failed:
             _say(merge_rank_lines([line for _r, _c, line in failed]))
             return failed[0][1]
@@ -302,11 +335,36 @@ class Job:
             _say([f"caffepar: mpiexec (the process manager) was ended by "
                   f"{signal.Signals(-status).name}; ranks {_ranks(missing)} did not finish"])
             return 1
+        stuck = [line for line in map(self._stuck, missing) if line]
+        if stuck:
+            _say(merge_rank_lines(stuck))
+            return 1
         first = [r for r in self.gone if r in missing][:1] or missing
         label = f"[rank {first[0]}]" if len(first) == 1 else f"[ranks {_ranks(first)}]"
         _say([f"{label} caffepar: ended before the job finished, without an error message "
               f"(killed by a signal, or exited on its own); mpiexec's exit status {status}"])
         return 1
+
+
+    def _stuck(self, rank):
+        """The report line of a rank ended by its watchdog's last resort (stuck holding the
+        interpreter lock; Watchdog.backstop), from the stacks it wrote, or None."""
+        try:
+            with open(os.path.join(self.folder, f"rank{rank}.stuck"), encoding="utf-8",
+                      errors="replace") as f:
+                text = f.read()
+        except OSError:
+            return None
+        found = re.match(r"Timeout \((\d+):(\d+):(\d+)", text)
+        if not found:
+            return None
+        h, m, sec = map(int, found.groups())
+        main = text.rstrip().split("\n\n")[-1]       # the main thread's stack comes last
+        frame = re.search(r'File "([^"]*)", line (\d+) in (\S+)', main)
+        where = f" ({os.path.basename(frame.group(1))}:{frame.group(2)}, in {frame.group(3)})" \
+            if frame else ""
+        return (f"[rank {rank}] caffepar: stuck {3600 * h + 60 * m + sec} s in compiled code "
+                f"that holds the interpreter lock{where}; ended")
 
 
 def _signal(pid, signum):
@@ -396,13 +454,49 @@ def _write_job_file(path, text):
 
 
 def register_rank(comm):
-    """Tell the launcher (if caffepar's launcher started this job) which process is this rank."""
+    """Tell the launcher (if caffepar's launcher started this job) which process is this rank;
+    from now on the rank cannot end the job unseen (guard_exit)."""
     path = _job_file(comm, "pid")
     if path:
         try:
             _write_job_file(path, f"{os.getpid()} {socket.gethostname()}\n")
         except OSError:     # a rank on another host, without the launcher's folder
             pass
+    guard_exit(comm)
+
+
+def stuck_file(comm):
+    """Where the watchdog's last resort writes the stacks of a rank stuck holding the
+    interpreter lock: `rank<r>.stuck` in the job folder (the launcher reports it), else stderr."""
+    path = _job_file(comm, "stuck")
+    if path:
+        try:
+            return open(path, "w", encoding="utf-8")
+        except OSError:
+            pass
+    return sys.stderr
+
+
+_os_exit = os._exit
+
+
+def guard_exit(comm):
+    """os._exit in this rank (a Python layer ending its process) before the job ends ends the
+    job through abort_all: non-zero, in one line naming the rank.
+
+    A rank that just vanishes cannot be reported by the others: MPICH's mpiexec kills them at
+    once (SIGKILL, before they can act) and, when the vanished rank's status was 0, exits 0
+    itself, so a scheduler would record a failed job as a success. Processes forked by the rank
+    (their os._exit ends only them) are left alone."""
+    owner = os.getpid()
+
+    def _exit(code):
+        if os.getpid() == owner:
+            abort_all(comm, f"[rank {comm.rank}] caffepar: exited (os._exit({code})) before "
+                      "the job finished", code or 1)
+        _os_exit(code)
+
+    os._exit = _exit
 
 
 def finish_rank(comm):
@@ -418,6 +512,7 @@ def finish_rank(comm):
             _write_job_file(path, "0\n")
         except OSError:
             pass
+    os._exit = _os_exit
 
 
 def abort_all(comm, line, code=1, hard=False):
@@ -445,7 +540,7 @@ def abort_all(comm, line, code=1, hard=False):
     if not written and not hard:       # hard: no process manager left to abort through
         _silence_output()
         comm.abort(code)
-    os._exit(code)
+    _os_exit(code)
 
 
 def _silence_output():

@@ -1,13 +1,17 @@
 """A pass-through Python layer that injects faults into one rank of a job (tests/test_jobs.py).
 
-param_str is JSON: {"sleep": seconds per forward, "pids": folder, "rank": r, "at": forward
-number, "do": "hang" | "exit0" | "sys.exit" | "memory" | "slow"}. With "pids", every rank writes
+param_str is JSON: {"sleep": seconds per forward, "pids": folder, "rank": r (or "all"), "at": forward
+number, "do": "hang" | "exit0" | "sys.exit" | "memory" | "raise" | "nan" | "slow" |
+"gil" (sleeps `seconds` in C holding the GIL)}. With "pids", every rank writes
 `rank<r>.pid` ("pid parent-pid") there at setup, so a test can kill a rank or its process manager.
 """
+import ctypes
 import json
 import os
 import sys
 import time
+
+import numpy as np
 
 import caffe
 
@@ -37,7 +41,7 @@ class Fault(caffe.Layer):
     def forward(self, bottom, top):
         self.calls += 1
         time.sleep(self.conf.get("sleep", 0))
-        if self.rank == self.conf.get("rank") and self.calls == self.conf.get("at"):
+        if self.conf.get("rank") in (self.rank, "all") and self.calls == self.conf.get("at"):
             what = self.conf["do"]
             if what == "hang":
                 time.sleep(3600)
@@ -49,7 +53,14 @@ class Fault(caffe.Layer):
                 sys.exit(0)
             elif what == "memory":
                 raise MemoryError()
+            elif what == "raise":
+                raise ValueError("injected")
+            elif what == "gil":
+                ctypes.PyDLL(None).sleep(int(self.conf.get("seconds", 3600)))
         top[0].data[...] = bottom[0].data
+        if self.rank == self.conf.get("rank") and self.conf.get("do") == "nan" and \
+                self.calls >= self.conf.get("at"):
+            top[0].data[...] = np.nan
 
     def backward(self, top, propagate_down, bottom):
         if propagate_down[0]:
