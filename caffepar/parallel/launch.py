@@ -345,7 +345,6 @@ class Job:
               f"(killed by a signal, or exited on its own); mpiexec's exit status {status}"])
         return 1
 
-
     def _stuck(self, rank):
         """The report line of a rank ended by its watchdog's last resort (stuck holding the
         interpreter lock; Watchdog.backstop), from the stacks it wrote, or None."""
