@@ -558,6 +558,8 @@ def write_report(done, pieces):
                           + (f"; slower than plain DATA: {', '.join(slower)}" if slower
                              else "") + ".")
         md.append("")
+    from netlab_topk_accuracy import topk_section
+    md += topk_section()
     missing = [p for p in pieces if (done.get(p["key"]) or {}).get("status") != "ok"]
     md += ["## Not yet measured", ""]
     if missing:

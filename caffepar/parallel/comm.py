@@ -105,12 +105,14 @@ class Comm:
         self.stop_since = None      # when this rank was asked to stop (SIGTERM, SIGINT)
         self.stop_reason = ""
         self._left = None
+        self.stragglers = Stragglers()
 
     def _timed(self, tag, op, nbytes, fn):
         t0 = time.perf_counter()
         result = self._watched(tag, op, fn)
         t1 = time.perf_counter()
         self.stats.add((tag, op), t1 - t0, nbytes)
+        self.stragglers.note((tag, op), t1 - t0)
         if self.timeline is not None:
             self.timeline.collective(f"{op} {tag}", t0, t1, {"bytes": nbytes})
         return result
@@ -212,6 +214,10 @@ class Comm:
     def allreduce_scalar(self, value, op="sum"):
         return value
 
+    def allreduce_max(self, values):
+        """Each of a few integers' largest value over the ranks."""
+        return [int(v) for v in values]
+
     def gatherv(self, send, recv, counts, root=0, tag=""):
         if recv is not None:
             recv[...] = send.reshape(recv.shape)
@@ -297,6 +303,13 @@ class MpiComm(Comm):
         return self._watched("", "allreduce", lambda: self._arrived(
             lambda: self.comm.allreduce(value, op=mpi_op)))
 
+    def allreduce_max(self, values):
+        buf = np.array(values, np.int64)
+        if self.size > 1:
+            self._watched("", "allreduce", lambda: complete(
+                self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.MAX)))
+        return [int(v) for v in buf]
+
     def gatherv(self, send, recv, counts, root=0, tag=""):
         if self.size == 1:
             if recv is not None:
@@ -381,6 +394,160 @@ class MpiComm(Comm):
         if self.size > 1 and self.watchdog is None:
             self.watchdog = Watchdog(self, timeout)
             self.watchdog.start()
+
+
+class Stragglers:
+    """Notices a collective far slower than its usual time and names the slow rank.
+
+    Each kind of collective (layer, operation) keeps its last WINDOW durations; one is slow when
+    it took FACTOR times their median and FLOOR s more. Ranks see a slowdown at different
+    moments, so the solver makes them agree (a flag beside its per-iteration request, one
+    collective it makes anyway) before all of them probe: each pair of ranks in turn swaps
+    PROBE_BYTES both ways, timed at both ends, the faster end kept. The first probe, once the
+    job is warm, is the baseline; the one after a slow collective compares each pair with it
+    (`name_slow`). One warning per episode: it ends after QUIET agreed iterations without a
+    slow collective (slow durations join the window, so a lasting slowdown becomes the usual).
+    """
+
+    WINDOW, MIN_SAMPLES, FACTOR, FLOOR = 20, 5, 4.0, 0.05
+    QUIET = 20
+    PROBE_BYTES, REPEATS, TAG = 1 << 20, 2, 7303
+
+    def __init__(self):
+        from collections import deque
+        self.history = defaultdict(lambda: deque(maxlen=self.WINDOW))
+        self.slow = None            # (seconds, usual, key) of the slowest since last agreed
+        self.baseline = None
+        self.in_episode = False
+        self.quiet = 0
+
+    def note(self, key, seconds):
+        past = self.history[key]
+        if len(past) >= self.MIN_SAMPLES:
+            usual = float(np.median(past))
+            if seconds > self.FACTOR * usual and seconds - usual > self.FLOOR and \
+                    (self.slow is None or seconds / usual > self.slow[0] / self.slow[1]):
+                self.slow = (seconds, usual, key)
+        past.append(seconds)
+
+    def seen(self):
+        """1 when this rank saw a slow collective since the ranks last agreed."""
+        return int(self.slow is not None)
+
+    def agreed(self, comm, slow):
+        """Every rank calls this with the same `slow` (the flag's largest value over the ranks);
+        returns the warning to log once per episode (None otherwise)."""
+        if comm.size == 1:
+            return None
+        if self.baseline is None:
+            if comm.warm:
+                self.baseline = self.probe(comm)
+            return None
+        if not slow:
+            self.quiet += 1
+            if self.quiet >= self.QUIET:
+                self.in_episode = False
+            return None
+        self.quiet = 0
+        if self.in_episode:
+            self.slow = None
+            return None
+        self.in_episode = True
+        now = self.probe(comm)
+        seen = comm.comm.allgather((socket.gethostname(), self.slow))
+        self.slow = None
+        hosts = [h for h, _ in seen]
+        rank, (seconds, usual, (tag, op)) = max(
+            ((r, v) for r, (_h, v) in enumerate(seen) if v), key=lambda rv: rv[1][0] / rv[1][1])
+        what = f"{op} {tag!r}" if tag else op
+        calm = [r for r, (_h, v) in enumerate(seen) if v is None]
+        return (f"caffepar: straggler: {what} took {seconds:.3g} s on rank {rank}, usually "
+                f"{usual:.3g} s; {name_slow(self.baseline, now, hosts, calm)}")
+
+    def probe(self, comm):
+        """seconds[a, b]: the time ranks a and b took to swap PROBE_BYTES (the faster end's
+        clock, best of REPEATS); pairs in turn, a barrier between them."""
+        return comm._watched("", "probe", lambda: self._probe(comm))
+
+    def _probe(self, comm):
+        mpi, size, rank = comm.comm, comm.size, comm.rank
+        send = np.zeros(self.PROBE_BYTES, np.uint8)
+        recv = np.empty_like(send)
+        seconds = np.full((size, size), np.inf)
+        complete(mpi.Ibarrier())
+        for _ in range(self.REPEATS):
+            for a in range(size):
+                for b in range(a + 1, size):
+                    if rank in (a, b):
+                        other = b if rank == a else a
+                        t0 = time.perf_counter()
+                        for request in (mpi.Irecv(recv, source=other, tag=self.TAG),
+                                        mpi.Isend(send, dest=other, tag=self.TAG)):
+                            complete(request)
+                        seconds[rank, other] = min(seconds[rank, other],
+                                                   time.perf_counter() - t0)
+                    complete(mpi.Ibarrier())
+        seconds[~np.isfinite(seconds)] = 0
+        complete(mpi.Iallreduce(comm.MPI.IN_PLACE, seconds, op=comm.MPI.SUM))
+        both = np.minimum(seconds, seconds.T)
+        np.fill_diagonal(both, 0)
+        return both
+
+
+def name_slow(baseline, now, hosts, calm=(), ratio=3.0):
+    """Which ranks' links are slow, from two pairwise probes (seconds[a, b] for ranks a, b)
+    at the job's start and now, in words. Ranks of one host share its link, so hosts are
+    compared when the job spans several, else ranks. A pair slowed when it takes `ratio`
+    times its baseline. A host (or rank) is slow when every pair it belongs to slowed while
+    some pair without it did not: its link is the one they share. Between two only, the
+    path between them is slow, and timing cannot tell which end's link. No pair slowed: not
+    the network; the `calm` ranks, that saw no slow collective, are the ones the others
+    waited for."""
+    size = len(hosts)
+    names = list(dict.fromkeys(hosts))
+    if len(names) > 1:
+        units = [[r for r in range(size) if hosts[r] == h] for h in names]
+        labels = [f"{h} (rank{'s' if len(u) > 1 else ''} {', '.join(map(str, u))})"
+                  for h, u in zip(names, units)]
+    else:
+        units = [[r] for r in range(size)]
+        labels = [f"rank {r}" for r in range(size)]
+    n = len(units)
+    pairs = {}
+    for i in range(n):
+        for j in range(i + 1, n):
+            cells = [(a, b) for a in units[i] for b in units[j]]
+            pairs[i, j] = (float(np.median([now[c] for c in cells])),
+                           float(np.median([baseline[c] for c in cells])))
+    slowed = {k for k, (t, base) in pairs.items() if t > ratio * base}
+    ms = lambda k: f"{pairs[k][0] * 1e3:.0f} ms against {pairs[k][1] * 1e3:.0f} ms at the start"
+    swap = f"swapping {Stragglers.PROBE_BYTES / 2 ** 20:g} MiB"
+    if not slowed:
+        worst = max(pairs, key=lambda k: pairs[k][0] / pairs[k][1])
+        late = f"rank {calm[0]}" if len(calm) == 1 else f"ranks {', '.join(map(str, calm))}"
+        why = "a rank came late, or the slowdown has passed"
+        if calm and len(calm) < size:
+            why = f"{late} came late (the others waited for {'it' if len(calm) == 1 else 'them'})"
+        return (f"yet every pair of {'hosts' if len(names) > 1 else 'ranks'} swaps data as "
+                f"fast as at the start (slowest {labels[worst[0]]} - {labels[worst[1]]}: "
+                f"{ms(worst)}): not the network; {why}")
+    if n == 2:
+        return (f"the path between {labels[0]} and {labels[1]} is slow ({swap}: "
+                f"{ms((0, 1))}); with two ends, which one's link cannot be told")
+    slow = [i for i in range(n) if all(k in slowed for k in pairs if i in k)
+            and any(k not in slowed for k in pairs if i not in k)]
+    if not slow:
+        return (f"{len(slowed)} of {len(pairs)} pairs slowed ({swap}), with no one "
+                "end in common: more than one link, or what they share, is slow")
+    fast = [k for k in pairs if k not in slowed]
+    typical = float(np.median([pairs[k][0] for k in fast]))
+    who = " and ".join(labels[i] for i in slow)
+    mine = [k for k in pairs if slow[0] in k]
+    return (f"{who} {'is' if len(slow) == 1 else 'are'} slow: {swap} with "
+            f"{'it' if len(slow) == 1 else 'them'} took "
+            f"{float(np.median([pairs[k][0] for k in mine])) * 1e3:.0f} ms (at the start "
+            f"{float(np.median([pairs[k][1] for k in mine])) * 1e3:.0f} ms), between the "
+            f"others {typical * 1e3:.0f} ms")
 
 
 class Watchdog:
