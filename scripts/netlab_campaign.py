@@ -316,6 +316,15 @@ def top_rate(done):
     return best or "2gbit"
 
 
+def past(until, now=None):
+    """Whether UTC time `until` (HH:MM) has come, taken as up to 12 hours ahead of `now` (so
+    23:50 is before 00:30, and 00:30 past 23:50 only once midnight is crossed)."""
+    hours, minutes = map(int, until.split(":"))
+    now = time.gmtime() if now is None else now
+    ahead = (hours * 60 + minutes - now.tm_hour * 60 - now.tm_min) % (24 * 60)
+    return ahead == 0 or ahead > 12 * 60
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lock", help="Hold this file's exclusive flock while measuring, in "
@@ -345,7 +354,7 @@ def main():
                     and p["key"] not in failed and (not args.only or p["kind"] == args.only)]
             if not todo:
                 break
-            if args.until and time.strftime("%H:%M", time.gmtime()) >= args.until:
+            if args.until and past(args.until):
                 print(f"stopping: it is past {args.until} UTC", flush=True)
                 break
             if args.lock:

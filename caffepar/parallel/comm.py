@@ -442,6 +442,7 @@ class Stragglers:
         if self.baseline is None:
             if comm.warm:
                 self.baseline = self.probe(comm)
+            self.slow = None        # the first iteration's (engines measured) is no slowdown
             return None
         if not slow:
             self.quiet += 1
