@@ -400,17 +400,20 @@ class Stragglers:
     """Notices a collective far slower than its usual time and names the slow rank.
 
     Each kind of collective (layer, operation) keeps its last WINDOW durations; one is slow when
-    it took FACTOR times their median and FLOOR s more. Ranks see a slowdown at different
-    moments, so the solver makes them agree (a flag beside its per-iteration request, one
-    collective it makes anyway) before all of them probe: each pair of ranks in turn swaps
-    PROBE_BYTES both ways, timed at both ends, the faster end kept. The first probe, once the
-    job is warm, is the baseline; the one after a slow collective compares each pair with it
-    (`name_slow`). One warning per episode: it ends after QUIET agreed iterations without a
-    slow collective (slow durations join the window, so a lasting slowdown becomes the usual).
+    it took FACTOR times their median and FLOOR s more. A rank that computed late makes the
+    others wait in the next collective, not itself: so a slowdown counts only when every rank
+    saw one in the same iteration, which the solver asks of them all at once (a flag beside its
+    per-iteration request, one collective it makes anyway). Then all of them probe: each pair
+    of ranks in turn swaps PROBE_BYTES both ways, timed at both ends, the faster end kept. The
+    first probe, once the job is warm, is the baseline; the one after a slowdown compares each
+    pair with it (`name_slow`). One warning per episode of a slow network: it ends after QUIET
+    agreed iterations without a slowdown (slow durations join the window, so a lasting
+    slowdown becomes the usual). A probe that finds the network as fast as at the start is said
+    once per run, and the next probe waits COOLDOWN iterations.
     """
 
-    WINDOW, MIN_SAMPLES, FACTOR, FLOOR = 20, 5, 4.0, 0.05
-    QUIET = 20
+    WINDOW, MIN_SAMPLES, FACTOR, FLOOR = 20, 5, 4.0, 0.1
+    QUIET, COOLDOWN = 20, 5
     PROBE_BYTES, REPEATS, TAG = 1 << 20, 2, 7303
 
     def __init__(self):
@@ -419,7 +422,8 @@ class Stragglers:
         self.slow = None            # (seconds, usual, key) of the slowest since last agreed
         self.baseline = None
         self.in_episode = False
-        self.quiet = 0
+        self.quiet = self.cooldown = 0
+        self.said_fast = False
 
     def note(self, key, seconds):
         past = self.history[key]
@@ -435,35 +439,42 @@ class Stragglers:
         return int(self.slow is not None)
 
     def agreed(self, comm, slow):
-        """Every rank calls this with the same `slow` (the flag's largest value over the ranks);
-        returns the warning to log once per episode (None otherwise)."""
+        """Every rank calls this with the same `slow`: 1 when every rank saw a slow collective
+        since the last call (the smallest of their flags). Returns the warning to log (once per
+        episode), or None."""
         if comm.size == 1:
             return None
+        seen, self.slow = self.slow, None
         if self.baseline is None:
-            if comm.warm:
-                self.baseline = self.probe(comm)
-            self.slow = None        # the first iteration's (engines measured) is no slowdown
+            if comm.warm:       # the first iteration's collectives (engines measured) are no
+                self.baseline = self.probe(comm)        # slowdown
             return None
+        self.cooldown = max(0, self.cooldown - 1)
         if not slow:
             self.quiet += 1
             if self.quiet >= self.QUIET:
                 self.in_episode = False
             return None
         self.quiet = 0
-        if self.in_episode:
-            self.slow = None
+        if self.in_episode or self.cooldown:
             return None
-        self.in_episode = True
         now = self.probe(comm)
-        seen = comm.comm.allgather((socket.gethostname(), self.slow))
-        self.slow = None
-        hosts = [h for h, _ in seen]
+        gathered = comm.comm.allgather((socket.gethostname(), seen))
+        hosts = [h for h, _ in gathered]
         rank, (seconds, usual, (tag, op)) = max(
-            ((r, v) for r, (_h, v) in enumerate(seen) if v), key=lambda rv: rv[1][0] / rv[1][1])
+            ((r, v) for r, (_h, v) in enumerate(gathered) if v),
+            key=lambda rv: rv[1][0] / rv[1][1])
         what = f"{op} {tag!r}" if tag else op
-        calm = [r for r, (_h, v) in enumerate(seen) if v is None]
+        words, network = name_slow(self.baseline, now, hosts)
+        if network:
+            self.in_episode = True
+        else:
+            self.cooldown = self.COOLDOWN
+            if self.said_fast:
+                return None
+            self.said_fast = True
         return (f"caffepar: straggler: {what} took {seconds:.3g} s on rank {rank}, usually "
-                f"{usual:.3g} s; {name_slow(self.baseline, now, hosts, calm)}")
+                f"{usual:.3g} s; {words}")
 
     def probe(self, comm):
         """seconds[a, b]: the time ranks a and b took to swap PROBE_BYTES (the faster end's
@@ -495,15 +506,13 @@ class Stragglers:
         return both
 
 
-def name_slow(baseline, now, hosts, calm=(), ratio=3.0):
+def name_slow(baseline, now, hosts, ratio=3.0):
     """Which ranks' links are slow, from two pairwise probes (seconds[a, b] for ranks a, b)
-    at the job's start and now, in words. Ranks of one host share its link, so hosts are
-    compared when the job spans several, else ranks. A pair slowed when it takes `ratio`
-    times its baseline. A host (or rank) is slow when every pair it belongs to slowed while
-    some pair without it did not: its link is the one they share. Between two only, the
-    path between them is slow, and timing cannot tell which end's link. No pair slowed: not
-    the network; the `calm` ranks, that saw no slow collective, are the ones the others
-    waited for."""
+    at the job's start and now: (words, whether any pair slowed). Ranks of one host share its
+    link, so hosts are compared when the job spans several, else ranks. A pair slowed when it
+    takes `ratio` times its baseline. A host (or rank) is slow when every pair it belongs to
+    slowed while some pair without it did not: its link is the one they share. Between two
+    only, the path between them is slow, and timing cannot tell which end's link."""
     size = len(hosts)
     names = list(dict.fromkeys(hosts))
     if len(names) > 1:
@@ -525,21 +534,18 @@ def name_slow(baseline, now, hosts, calm=(), ratio=3.0):
     swap = f"swapping {Stragglers.PROBE_BYTES / 2 ** 20:g} MiB"
     if not slowed:
         worst = max(pairs, key=lambda k: pairs[k][0] / pairs[k][1])
-        late = f"rank {calm[0]}" if len(calm) == 1 else f"ranks {', '.join(map(str, calm))}"
-        why = "a rank came late, or the slowdown has passed"
-        if calm and len(calm) < size:
-            why = f"{late} came late (the others waited for {'it' if len(calm) == 1 else 'them'})"
         return (f"yet every pair of {'hosts' if len(names) > 1 else 'ranks'} swaps data as "
                 f"fast as at the start (slowest {labels[worst[0]]} - {labels[worst[1]]}: "
-                f"{ms(worst)}): not the network; {why}")
+                f"{ms(worst)}): not the network; the slowdown has passed, or the ranks' "
+                "machines slowed them all"), False
     if n == 2:
         return (f"the path between {labels[0]} and {labels[1]} is slow ({swap}: "
-                f"{ms((0, 1))}); with two ends, which one's link cannot be told")
+                f"{ms((0, 1))}); with two ends, which one's link cannot be told"), True
     slow = [i for i in range(n) if all(k in slowed for k in pairs if i in k)
             and any(k not in slowed for k in pairs if i not in k)]
     if not slow:
         return (f"{len(slowed)} of {len(pairs)} pairs slowed ({swap}), with no one "
-                "end in common: more than one link, or what they share, is slow")
+                "end in common: more than one link, or what they share, is slow"), True
     fast = [k for k in pairs if k not in slowed]
     typical = float(np.median([pairs[k][0] for k in fast]))
     who = " and ".join(labels[i] for i in slow)
@@ -548,7 +554,7 @@ def name_slow(baseline, now, hosts, calm=(), ratio=3.0):
             f"{'it' if len(slow) == 1 else 'them'} took "
             f"{float(np.median([pairs[k][0] for k in mine])) * 1e3:.0f} ms (at the start "
             f"{float(np.median([pairs[k][1] for k in mine])) * 1e3:.0f} ms), between the "
-            f"others {typical * 1e3:.0f} ms")
+            f"others {typical * 1e3:.0f} ms"), True
 
 
 class Watchdog:

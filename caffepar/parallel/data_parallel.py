@@ -140,8 +140,9 @@ class ParallelSolverMixin:
         """One signal, sent to every rank, reaches them at different iterations. Each rank
         counts the snapshot requests it has had; the job snapshots when the largest count
         grows (so one SIGHUP is one snapshot, not one per rank) and stops when any rank was
-        asked to stop. A rank that saw a collective far slower than usual says so in the same
-        collective, so that all of them look for the straggler together."""
+        asked to stop. Whether each rank saw a collective far slower than usual rides along
+        (as its negative: the largest is minus the smallest flag, 1 when all of them did), so
+        that all of them look for the straggler together."""
         local = super().requested_action()
         if local == "snapshot":
             self._snapshot_requests += 1
@@ -149,8 +150,8 @@ class ParallelSolverMixin:
             self._stop_requested = True
         mine = self._snapshot_requests + (self.STOP if self._stop_requested else 0)
         stragglers = self.comm.stragglers
-        most, slow = self.comm.allreduce_max([mine, stragglers.seen()])
-        warning = stragglers.agreed(self.comm, slow)
+        most, not_all = self.comm.allreduce_max([mine, -stragglers.seen()])
+        warning = stragglers.agreed(self.comm, -not_all)
         if warning and self.comm.rank == 0:
             LOGGER.warning(warning)
         if most >= self.STOP:
