@@ -194,6 +194,14 @@ def test_straggler_warning_once_per_slowdown(monkeypatch):
     watch.note(key, 3.0)
     assert "n1 (rank 1) is slow" in watch.agreed(comm, watch.seen())
     assert comm.probes == []
+    # more ranks than are worth probing pair by pair: the slowdown is said, no rank named
+    monkeypatch.setattr(Stragglers, "MAX_PROBED", 2)
+    many = Stragglers()
+    assert many.agreed(comm, 0) is None and many.baseline is False
+    for i in range(6):
+        many.note(key, 0.03)
+    many.note(key, 0.5)
+    assert "3 ranks are too many to probe each pair" in many.agreed(comm, many.seen())
 
 
 # ---------------------------------------------------------------------- on a lab

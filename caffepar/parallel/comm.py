@@ -409,12 +409,14 @@ class Stragglers:
     pair with it (`name_slow`). One warning per episode of a slow network: it ends after QUIET
     agreed iterations without a slowdown (slow durations join the window, so a lasting
     slowdown becomes the usual). A probe that finds the network as fast as at the start is said
-    once per run, and the next probe waits COOLDOWN iterations.
+    once per run, and the next probe waits COOLDOWN iterations. Pairs grow as the square of the
+    ranks: beyond MAX_PROBED ranks the warning names no rank.
     """
 
     WINDOW, MIN_SAMPLES, FACTOR, FLOOR = 20, 5, 4.0, 0.1
     QUIET, COOLDOWN = 20, 5
     PROBE_BYTES, REPEATS, TAG = 1 << 20, 2, 7303
+    MAX_PROBED = 16
 
     def __init__(self):
         from collections import deque
@@ -447,7 +449,7 @@ class Stragglers:
         seen, self.slow = self.slow, None
         if self.baseline is None:
             if comm.warm:       # the first iteration's collectives (engines measured) are no
-                self.baseline = self.probe(comm)        # slowdown
+                self.baseline = self.probe(comm) if comm.size <= self.MAX_PROBED else False
             return None
         self.cooldown = max(0, self.cooldown - 1)
         if not slow:
@@ -458,14 +460,15 @@ class Stragglers:
         self.quiet = 0
         if self.in_episode or self.cooldown:
             return None
-        now = self.probe(comm)
+        now = self.probe(comm) if self.baseline is not False else None
         gathered = comm.comm.allgather((socket.gethostname(), seen))
         hosts = [h for h, _ in gathered]
         rank, (seconds, usual, (tag, op)) = max(
             ((r, v) for r, (_h, v) in enumerate(gathered) if v),
             key=lambda rv: rv[1][0] / rv[1][1])
         what = f"{op} {tag!r}" if tag else op
-        words, network = name_slow(self.baseline, now, hosts)
+        words, network = name_slow(self.baseline, now, hosts) if now is not None else (
+            f"{comm.size} ranks are too many to probe each pair: no rank named", True)
         if network:
             self.in_episode = True
         else:
