@@ -7,8 +7,10 @@ lab's links calibrated (`caffepar calibrate` inside the lab) at each rate.
 
 A campaign is a list of pieces in priority order (rate probe, calibrations, one-process
 profiles, `caffepar time` runs on the lab); each piece is one command, its result appended to
-snapshots/netlab/pieces.csv as soon as it is done, so a rerun continues where the last one
-stopped (a piece that failed is retried). With --lock, each piece holds that file's exclusive
+results/netlab_pieces.csv as soon as it is done (kept with the results, so any checkout
+continues where the last run stopped; a piece that failed is retried). A `time` piece stores its
+prediction as it is measured: the profiles it came from live in snapshots/netlab/ with the
+nets and logs, which a checkout does not have. With --lock, each piece holds that file's exclusive
 flock while it runs (a machine shared with other jobs: nothing else timed runs meanwhile); the
 CPU others used just before each piece is recorded. Writes results/netlab.csv, netlab.md and
 netlab.png from whatever pieces are done, listing those not yet measured.
@@ -33,12 +35,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 STATE = ROOT / "snapshots" / "netlab"
 RESULTS = ROOT / "results"
-PIECES = STATE / "pieces.csv"
+PIECES = RESULTS / "netlab_pieces.csv"
 LAB = "cpc"
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 FIELDS = ("key", "kind", "net", "mode", "nodes", "ranks_per_node", "rate", "batch", "options",
           "iterations", "iteration_ms", "min_ms", "comm_ms", "comm_mb", "value", "others_busy_pct",
-          "status", "when")
+          "status", "when", "predicted_ms", "predicted_comm_ms", "model_parallel")
 PLANS = ("DATA", "HYBRID", "AUTO")
 NETS = ("vgg16", "alexnet")
 PROBE_RATES = ("2gbit", "5gbit", "10gbit", "20gbit", "unshaped")
@@ -226,6 +228,11 @@ def run_piece(p):
             row["value"] = model.fit_for(p["nodes"] * p["ranks_per_node"])["allreduce"][1]
         elif p["kind"] in ("time", "profile"):
             row.update(parse_time(out))
+        if p["kind"] == "time":
+            pred, pred_comm, splits = predicted(p, read_pieces(), os.cpu_count() or 1)
+            if pred is not None:
+                row.update(predicted_ms=round(pred, 1), predicted_comm_ms=round(pred_comm, 1),
+                           model_parallel=splits)
     print(f"{p['key']}: {row['status']} {row.get('iteration_ms') or row.get('value')} "
           f"({time.monotonic() - started:.0f} s, others busy {row['others_busy_pct']}%)",
           flush=True)
@@ -236,7 +243,56 @@ def read_pieces():
     if not PIECES.exists():
         return {}
     with open(PIECES, newline="") as f:
-        return {r["key"]: r for r in csv.DictReader(f)}
+        return {r["key"]: {f: r.get(f) or "" for f in FIELDS} for r in csv.DictReader(f)}
+
+
+def rebuild_pieces():
+    """The pieces' state from the results a checkout holds, when the state file is missing
+    (a campaign measured before it was kept with the results): `time` pieces with their
+    predictions from netlab.csv, calibrations from their files, probes from netlab.md's table
+    of the links, the Fig. 14-16 sweep from netlab_fc.csv. A profile counts as done where a
+    prediction was made from it."""
+    from caffepar.parallel.cost import CostModel
+    table = RESULTS / "netlab.csv"
+    if PIECES.exists() or not table.exists():
+        return
+    rows = []
+    with open(table, newline="") as f:
+        for r in csv.DictReader(f):
+            opts = "" if r["options"] == "-" else r["options"]
+            kw = dict(net=r["net"], nodes=int(r["nodes"]), ranks_per_node=int(r["ranks_per_node"]),
+                      batch=int(r["batch"]))
+            p = piece("time", mode=r["mode"], rate=r["rate"], options=opts,
+                      iterations=int(r["iterations"]), **kw)
+            rows.append({**p, "iteration_ms": r["measured_ms"], "min_ms": r["min_ms"],
+                         "comm_ms": r["comm_ms"], "comm_mb": r["comm_mb"],
+                         "others_busy_pct": r["others_busy_pct"], "status": "ok",
+                         "when": r["when"], "predicted_ms": r["predicted_ms"],
+                         "predicted_comm_ms": r["predicted_comm_ms"],
+                         "model_parallel": r["model_parallel"] if r["predicted_ms"] else ""})
+            if r["predicted_ms"]:
+                prof = piece("profile", net=r["net"], batch=int(r["batch"]), nodes=1,
+                             iterations=2 if int(r["batch"]) >= 8 else 3)
+                rows.append({**prof, "status": "ok", "when": r["when"]})
+    report = (RESULTS / "netlab.md").read_text() if (RESULTS / "netlab.md").exists() else ""
+    for rate in PROBE_RATES:
+        m = re.search(rf"^\| {rate} \| ([\d,.]+) \|", report, re.M)
+        if m:
+            rows.append({**piece("probe", rate=rate), "status": "ok",
+                         "value": m.group(1).replace(",", "")})
+    for path in sorted(RESULTS.glob("calibration_netlab_*.json")):
+        m = re.fullmatch(r"calibration_netlab_(\w+?)(?:_(\d+)x(\d+))?\.json", path.name)
+        nodes, per = (int(m.group(2)), int(m.group(3))) if m.group(2) else (2, 1)
+        value = CostModel.load(path).fit_for(nodes * per)["allreduce"][1]
+        rows.append({**piece("calibrate", rate=m.group(1), nodes=nodes, ranks_per_node=per),
+                     "status": "ok", "value": value})
+    if (RESULTS / "netlab_fc.csv").exists():
+        rows.append({**piece("fc", rate="1gbit"), "status": "ok"})
+    seen = set()
+    for row in rows:
+        if row["key"] not in seen:
+            seen.add(row["key"])
+            append_piece({f: row.get(f, "") for f in FIELDS})
 
 
 def append_piece(row):
@@ -260,6 +316,15 @@ def top_rate(done):
     return best or "2gbit"
 
 
+def past(until, now=None):
+    """Whether UTC time `until` (HH:MM) has come, taken as up to 12 hours ahead of `now` (so
+    23:50 is before 00:30, and 00:30 past 23:50 only once midnight is crossed)."""
+    hours, minutes = map(int, until.split(":"))
+    now = time.gmtime() if now is None else now
+    ahead = (hours * 60 + minutes - now.tm_hour * 60 - now.tm_min) % (24 * 60)
+    return ahead == 0 or ahead > 12 * 60
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lock", help="Hold this file's exclusive flock while measuring, in "
@@ -275,6 +340,7 @@ def main():
         return
     from caffepar.netlab import missing_privileges
     STATE.mkdir(parents=True, exist_ok=True)
+    rebuild_pieces()
     if not args.report:
         message = missing_privileges()
         if message:
@@ -288,7 +354,7 @@ def main():
                     and p["key"] not in failed and (not args.only or p["kind"] == args.only)]
             if not todo:
                 break
-            if args.until and time.strftime("%H:%M", time.gmtime()) >= args.until:
+            if args.until and past(args.until):
                 print(f"stopping: it is past {args.until} UTC", flush=True)
                 break
             if args.lock:
@@ -326,7 +392,8 @@ def predicted(p, done, cores):
     prof = done.get(piece("profile", net=p["net"], batch=p["batch"], nodes=1,
                           iterations=2 if p["batch"] >= 8 else 3)["key"])
     cal = calibration_file(p["rate"], p["nodes"], p["ranks_per_node"])
-    if p["options"] or not prof or prof["status"] != "ok" or not cal.exists():
+    if p["options"] or not prof or prof["status"] != "ok" or not cal.exists() \
+            or not profile_file(p["net"], p["batch"]).exists():
         return None, None, ""
     ranks = p["nodes"] * p["ranks_per_node"]
     doc = load_profile(profile_file(p["net"], p["batch"]))
@@ -343,7 +410,11 @@ def result_rows(done, pieces):
         r = done.get(p["key"])
         if p["kind"] != "time" or not r or r["status"] != "ok":
             continue
-        pred, pred_comm, splits = predicted(p, done, cores)
+        if r.get("predicted_ms"):
+            pred, pred_comm = float(r["predicted_ms"]), float(r["predicted_comm_ms"])
+            splits = r["model_parallel"]
+        else:
+            pred, pred_comm, splits = predicted(p, done, cores)
         measured = float(r["iteration_ms"])
         rows.append({"net": p["net"], "mode": p["mode"], "options": p["options"] or "-",
                      "nodes": p["nodes"], "ranks_per_node": p["ranks_per_node"],
@@ -496,6 +567,8 @@ def write_report(done, pieces):
                           + (f"; slower than plain DATA: {', '.join(slower)}" if slower
                              else "") + ".")
         md.append("")
+    from netlab_topk_accuracy import topk_section
+    md += topk_section()
     missing = [p for p in pieces if (done.get(p["key"]) or {}).get("status") != "ok"]
     md += ["## Not yet measured", ""]
     if missing:

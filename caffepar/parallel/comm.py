@@ -106,12 +106,14 @@ class Comm:
         self.stop_since = None      # when this rank was asked to stop (SIGTERM, SIGINT)
         self.stop_reason = ""
         self._left = None
+        self.stragglers = Stragglers()
 
     def _timed(self, tag, op, nbytes, fn):
         t0 = time.perf_counter()
         result = self._watched(tag, op, fn)
         t1 = time.perf_counter()
         self.stats.add((tag, op), t1 - t0, nbytes)
+        self.stragglers.note((tag, op), t1 - t0)
         if self.timeline is not None:
             self.timeline.collective(f"{op} {tag}", t0, t1, {"bytes": nbytes})
         return result
@@ -215,6 +217,10 @@ class Comm:
     def allreduce_scalar(self, value, op="sum"):
         return value
 
+    def allreduce_max(self, values):
+        """Each of a few integers' largest value over the ranks."""
+        return [int(v) for v in values]
+
     def gatherv(self, send, recv, counts, root=0, tag=""):
         if recv is not None:
             recv[...] = send.reshape(recv.shape)
@@ -300,6 +306,13 @@ class MpiComm(Comm):
         return self._watched("", "allreduce", lambda: self._arrived(
             lambda: self.comm.allreduce(value, op=mpi_op)))
 
+    def allreduce_max(self, values):
+        buf = np.array(values, np.int64)
+        if self.size > 1:
+            self._watched("", "allreduce", lambda: complete(
+                self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.MAX)))
+        return [int(v) for v in buf]
+
     def gatherv(self, send, recv, counts, root=0, tag=""):
         if self.size == 1:
             if recv is not None:
@@ -384,6 +397,170 @@ class MpiComm(Comm):
         if self.size > 1 and self.watchdog is None:
             self.watchdog = Watchdog(self, timeout)
             self.watchdog.start()
+
+
+class Stragglers:
+    """Notices a collective far slower than its usual time and names the slow rank.
+
+    Each kind of collective (layer, operation) keeps its last WINDOW durations; one is slow when
+    it took FACTOR times their median and FLOOR s more. A rank that computed late makes the
+    others wait in the next collective, not itself: so a slowdown counts only when every rank
+    saw one in the same iteration, which the solver asks of them all at once (a flag beside its
+    per-iteration request, one collective it makes anyway). Then all of them probe: each pair
+    of ranks in turn swaps PROBE_BYTES both ways, timed at both ends, the faster end kept. The
+    first probe, once the job is warm, is the baseline; the one after a slowdown compares each
+    pair with it (`name_slow`). One warning per episode of a slow network: it ends after QUIET
+    agreed iterations without a slowdown (slow durations join the window, so a lasting
+    slowdown becomes the usual). A probe that finds the network as fast as at the start is said
+    once per run, and the next probe waits COOLDOWN iterations. Pairs grow as the square of the
+    ranks: beyond MAX_PROBED ranks the warning names no rank.
+    """
+
+    WINDOW, MIN_SAMPLES, FACTOR, FLOOR = 20, 5, 4.0, 0.1
+    QUIET, COOLDOWN = 20, 5
+    PROBE_BYTES, REPEATS, TAG = 1 << 20, 2, 7303
+    MAX_PROBED = 16
+
+    def __init__(self):
+        from collections import deque
+        self.history = defaultdict(lambda: deque(maxlen=self.WINDOW))
+        self.slow = None            # (seconds, usual, key) of the slowest since last agreed
+        self.baseline = None
+        self.in_episode = False
+        self.quiet = self.cooldown = 0
+        self.said_fast = False
+
+    def note(self, key, seconds):
+        past = self.history[key]
+        if len(past) >= self.MIN_SAMPLES:
+            usual = float(np.median(past))
+            if seconds > self.FACTOR * usual and seconds - usual > self.FLOOR and \
+                    (self.slow is None or seconds / usual > self.slow[0] / self.slow[1]):
+                self.slow = (seconds, usual, key)
+        past.append(seconds)
+
+    def seen(self):
+        """1 when this rank saw a slow collective since the ranks last agreed."""
+        return int(self.slow is not None)
+
+    def agreed(self, comm, slow):
+        """Every rank calls this with the same `slow`: 1 when every rank saw a slow collective
+        since the last call (the smallest of their flags). Returns the warning to log (once per
+        episode), or None."""
+        if comm.size == 1:
+            return None
+        seen, self.slow = self.slow, None
+        if self.baseline is None:
+            if comm.warm:       # the first iteration's collectives (engines measured) are no
+                self.baseline = self.probe(comm) if comm.size <= self.MAX_PROBED else False
+            return None
+        self.cooldown = max(0, self.cooldown - 1)
+        if not slow:
+            self.quiet += 1
+            if self.quiet >= self.QUIET:
+                self.in_episode = False
+            return None
+        self.quiet = 0
+        if self.in_episode or self.cooldown:
+            return None
+        now = self.probe(comm) if self.baseline is not False else None
+        gathered = comm.comm.allgather((socket.gethostname(), seen))
+        hosts = [h for h, _ in gathered]
+        rank, (seconds, usual, (tag, op)) = max(
+            ((r, v) for r, (_h, v) in enumerate(gathered) if v),
+            key=lambda rv: rv[1][0] / rv[1][1])
+        what = f"{op} {tag!r}" if tag else op
+        words, network = name_slow(self.baseline, now, hosts) if now is not None else (
+            f"{comm.size} ranks are too many to probe each pair: no rank named", True)
+        if network:
+            self.in_episode = True
+        else:
+            self.cooldown = self.COOLDOWN
+            if self.said_fast:
+                return None
+            self.said_fast = True
+        return (f"caffepar: straggler: {what} took {seconds:.3g} s on rank {rank}, usually "
+                f"{usual:.3g} s; {words}")
+
+    def probe(self, comm):
+        """seconds[a, b]: the time ranks a and b took to swap PROBE_BYTES (the faster end's
+        clock, best of REPEATS); pairs in turn, a barrier between them."""
+        return comm._watched("", "probe", lambda: self._probe(comm))
+
+    def _probe(self, comm):
+        mpi, size, rank = comm.comm, comm.size, comm.rank
+        send = np.zeros(self.PROBE_BYTES, np.uint8)
+        recv = np.empty_like(send)
+        seconds = np.full((size, size), np.inf)
+        complete(mpi.Ibarrier())
+        for _ in range(self.REPEATS):
+            for a in range(size):
+                for b in range(a + 1, size):
+                    if rank in (a, b):
+                        other = b if rank == a else a
+                        t0 = time.perf_counter()
+                        for request in (mpi.Irecv(recv, source=other, tag=self.TAG),
+                                        mpi.Isend(send, dest=other, tag=self.TAG)):
+                            complete(request)
+                        seconds[rank, other] = min(seconds[rank, other],
+                                                   time.perf_counter() - t0)
+                    complete(mpi.Ibarrier())
+        seconds[~np.isfinite(seconds)] = 0
+        complete(mpi.Iallreduce(comm.MPI.IN_PLACE, seconds, op=comm.MPI.SUM))
+        both = np.minimum(seconds, seconds.T)
+        np.fill_diagonal(both, 0)
+        return both
+
+
+def name_slow(baseline, now, hosts, ratio=3.0):
+    """Which ranks' links are slow, from two pairwise probes (seconds[a, b] for ranks a, b)
+    at the job's start and now: (words, whether any pair slowed). Ranks of one host share its
+    link, so hosts are compared when the job spans several, else ranks. A pair slowed when it
+    takes `ratio` times its baseline. A host (or rank) is slow when every pair it belongs to
+    slowed while some pair without it did not: its link is the one they share. Between two
+    only, the path between them is slow, and timing cannot tell which end's link."""
+    size = len(hosts)
+    names = list(dict.fromkeys(hosts))
+    if len(names) > 1:
+        units = [[r for r in range(size) if hosts[r] == h] for h in names]
+        labels = [f"{h} (rank{'s' if len(u) > 1 else ''} {', '.join(map(str, u))})"
+                  for h, u in zip(names, units)]
+    else:
+        units = [[r] for r in range(size)]
+        labels = [f"rank {r}" for r in range(size)]
+    n = len(units)
+    pairs = {}
+    for i in range(n):
+        for j in range(i + 1, n):
+            cells = [(a, b) for a in units[i] for b in units[j]]
+            pairs[i, j] = (float(np.median([now[c] for c in cells])),
+                           float(np.median([baseline[c] for c in cells])))
+    slowed = {k for k, (t, base) in pairs.items() if t > ratio * base}
+    ms = lambda k: f"{pairs[k][0] * 1e3:.0f} ms against {pairs[k][1] * 1e3:.0f} ms at the start"
+    swap = f"swapping {Stragglers.PROBE_BYTES / 2 ** 20:g} MiB"
+    if not slowed:
+        worst = max(pairs, key=lambda k: pairs[k][0] / pairs[k][1])
+        return (f"yet every pair of {'hosts' if len(names) > 1 else 'ranks'} swaps data as "
+                f"fast as at the start (slowest {labels[worst[0]]} - {labels[worst[1]]}: "
+                f"{ms(worst)}): not the network; the slowdown has passed, or the ranks' "
+                "machines slowed them all"), False
+    if n == 2:
+        return (f"the path between {labels[0]} and {labels[1]} is slow ({swap}: "
+                f"{ms((0, 1))}); with two ends, which one's link cannot be told"), True
+    slow = [i for i in range(n) if all(k in slowed for k in pairs if i in k)
+            and any(k not in slowed for k in pairs if i not in k)]
+    if not slow:
+        return (f"{len(slowed)} of {len(pairs)} pairs slowed ({swap}), with no one "
+                "end in common: more than one link, or what they share, is slow"), True
+    fast = [k for k in pairs if k not in slowed]
+    typical = float(np.median([pairs[k][0] for k in fast]))
+    who = " and ".join(labels[i] for i in slow)
+    mine = [k for k in pairs if slow[0] in k]
+    return (f"{who} {'is' if len(slow) == 1 else 'are'} slow: {swap} with "
+            f"{'it' if len(slow) == 1 else 'them'} took "
+            f"{float(np.median([pairs[k][0] for k in mine])) * 1e3:.0f} ms (at the start "
+            f"{float(np.median([pairs[k][1] for k in mine])) * 1e3:.0f} ms), between the "
+            f"others {typical * 1e3:.0f} ms"), True
 
 
 class Watchdog:

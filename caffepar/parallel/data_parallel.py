@@ -140,14 +140,20 @@ class ParallelSolverMixin:
         """One signal, sent to every rank, reaches them at different iterations. Each rank
         counts the snapshot requests it has had; the job snapshots when the largest count
         grows (so one SIGHUP is one snapshot, not one per rank) and stops when any rank was
-        asked to stop."""
+        asked to stop. Whether each rank saw a collective far slower than usual rides along
+        (as its negative: the largest is minus the smallest flag, 1 when all of them did), so
+        that all of them look for the straggler together."""
         local = super().requested_action()
         if local == "snapshot":
             self._snapshot_requests += 1
         elif local == "stop":
             self._stop_requested = True
         mine = self._snapshot_requests + (self.STOP if self._stop_requested else 0)
-        most = int(self.comm.allreduce_scalar(mine, op="max"))
+        stragglers = self.comm.stragglers
+        most, not_all = self.comm.allreduce_max([mine, -stragglers.seen()])
+        warning = stragglers.agreed(self.comm, -not_all)
+        if warning and self.comm.rank == 0:
+            LOGGER.warning(warning)
         if most >= self.STOP:
             return "stop"
         if most > self._snapshots_done:

@@ -159,6 +159,7 @@ class GradientSync:
         if self.error is not None:
             raise self.error
         exposed = t1 - t0 - (self.sparsify_s - sparsify_before)
+        self.comm.stragglers.note((TAG, "wait"), exposed)
         if self.timeline is not None:
             self.timeline.span("wait for gradients", "wait", COMPUTE, t0, t1)
         self._account(exposed)
