@@ -2,6 +2,7 @@
 corpus of broken inputs, each of which must end with exit 1 and one line naming the problem."""
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -193,7 +194,9 @@ def test_nonfinite_loss_stops_naming_the_layer_or_trains_on(tmp_path, monkeypatc
     (tmp_path / "solver.prototxt").write_text(
         'net: "net.prototxt"\nbase_lr: 0.01\nlr_policy: "fixed"\nmax_iter: 4\n'
         'snapshot: 2\nsnapshot_prefix: "snap"\n')
-    code, _out, err = run(["train", "--solver", "solver.prototxt"], capsys)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # a raw NumPy warning would reach the user
+        code, _out, err = run(["train", "--solver", "solver.prototxt"], capsys)
     assert code == 1
     assert err.strip().splitlines()[-1] == (
         'caffepar: error: iteration 0: the loss is nan; the first layer with a non-finite '

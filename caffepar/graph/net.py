@@ -394,8 +394,9 @@ class Net:
         tops = self._blobs_of(self.top_ids[i])
         for o in self.observers:
             o.layer_start("forward", i)
-        layer.reshape(bottoms, tops)
-        layer.forward(bottoms, tops)
+        with np.errstate(all="ignore"):     # non-finite values are Caffe's to carry, ours
+            layer.reshape(bottoms, tops)    # to report once (the solver's non-finite check)
+            layer.forward(bottoms, tops)
         for j, top in enumerate(tops):
             if layer.loss_weights[j]:
                 loss += float(np.vdot(top.data, top.diff))
@@ -409,9 +410,10 @@ class Net:
         for o in self.observers:
             o.layer_start("backward", i)
         if run:
-            self.layers[i].backward(self._blobs_of(self.top_ids[i]),
-                                    self.bottom_need_backward[i],
-                                    self._blobs_of(self.bottom_ids[i]))
+            with np.errstate(all="ignore"):
+                self.layers[i].backward(self._blobs_of(self.top_ids[i]),
+                                        self.bottom_need_backward[i],
+                                        self._blobs_of(self.bottom_ids[i]))
         for o in self.observers:
             o.layer_end("backward", i)
 
