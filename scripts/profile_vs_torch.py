@@ -129,6 +129,39 @@ def torch_op_profile(step, iterations=5, top=14):
              100 * e.self_cpu_time_total / total) for e in ops[:top]]
 
 
+ONEDNN_STEP = """
+import sys
+sys.path[:0] = [{root!r}, {scripts!r}]
+from bench_train import torch_step
+step = torch_step({net!r}, {batch}, {threads})
+print("=== timed step", flush=True)
+step()
+"""
+
+
+def onednn_primitives(net, batch, threads):
+    """The oneDNN primitives one PyTorch training step runs (ONEDNN_VERBOSE=1 in a process of
+    its own, after a warm-up step): (kind, implementation, pass, layouts, shape, calls, ms),
+    ms as the verbose mode times them."""
+    import subprocess
+    code = ONEDNN_STEP.format(root=str(ROOT), scripts=str(ROOT / "scripts"), net=net,
+                              batch=batch, threads=threads)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, ONEDNN_VERBOSE="1")).stdout
+    found = {}
+    for line in out.split("=== timed step", 1)[-1].splitlines():
+        f = line.split(",")
+        if "exec" not in f[:5] or len(f) < 10:
+            continue
+        i = f.index("exec")
+        layouts = " ".join(f"{part.split(':')[0]}:{part.split(':')[4]}"
+                           for part in f[i + 5].split() if part.count(":") >= 4)
+        key = (f[i + 2], f[i + 3], f[i + 4], layouts, f[-2])
+        calls, ms = found.get(key, (0, 0.0))
+        found[key] = (calls + 1, ms + float(f[-1]))
+    return [k + v for k, v in found.items()]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--net", default="cifar10_quick", choices=list(NETS))
@@ -162,6 +195,7 @@ def main():
     steps = [ours.step, torch_step(args.net, batch, threads), ours.update]
     step_ours, step_torch, update_ours = fastest(steps, args.repeat, args.rounds)
     ops = torch_op_profile(steps[1])
+    primitives = onednn_primitives(args.net, batch, threads)
     load_end = os.getloadavg()[0]
 
     rows = []
@@ -193,13 +227,13 @@ def main():
                                  f"{layer.engine(ours.net.blob_list[ours.net.bottom_ids[i][0]].shape)}"
                                  for i, layer in enumerate(ours.net.layers)
                                  if layer.type == "Convolution"))
-    lines = report(rows, ops, info)
+    lines = report(rows, ops, primitives, info)
     print("\n".join(lines))
     if args.out:
         write(Path(args.out), rows, lines)
 
 
-def report(rows, ops, info):
+def report(rows, ops, primitives, info):
     ls, le = info["load"]
     loaded = ls > 0.5 or le > info["threads"] + 0.5
     step_o, step_t = info["step"]
@@ -233,6 +267,17 @@ def report(rows, ops, info):
                   "per step, top ops):", "", "| op | ms per step | calls per step | share |",
               "|---|---|---|---|"]
     lines += [f"| {name} | {ms:.2f} | {calls} | {pct:.0f}% |" for name, ms, calls, pct in ops]
+    lines += ["", "The oneDNN primitives of one PyTorch training step (ONEDNN_VERBOSE=1: kind, "
+                  "implementation, pass, memory formats -- abcd is plain NCHW, aBcd16b the "
+                  "blocked nChw16c, Acdb16a and the like blocked weights -- and shape; ms as the "
+                  "verbose mode times them, one step):", "",
+              "| primitive | implementation | pass | formats | shape | calls | ms |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {kind} | {impl} | {prop} | {fmt} | {shape} | {calls} | {ms:.2f} |"
+              for kind, impl, prop, fmt, shape, calls, ms in primitives]
+    if not primitives:
+        lines.append("| (none reported: this PyTorch build prints no oneDNN verbose lines) "
+                     "| | | | | | |")
     return lines
 
 
