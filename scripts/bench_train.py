@@ -296,7 +296,8 @@ def kept_rows(out, rows):
                 if r["net"] in done or "started" not in r:
                     continue
                 old.append({k: (r[k] if k in ("net", "engines", "started", "load", "caffe")
-                                else float(r[k])) for k in FIELDS if k in r})
+                                else int(r[k]) if k == "batch" else float(r[k]))
+                            for k in FIELDS if k in r})
     except (OSError, ValueError, KeyError):
         return rows
     order = list(NETS)
