@@ -10,9 +10,11 @@ A kernel change is kept when it helps, or is neutral, for the kernels built for 
 instruction set (run it again with CAFFEPAR_CFLAGS=-march=haswell for AVX2 code).
 """
 import argparse
+import atexit
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -69,6 +71,7 @@ def main():
     load_start = os.getloadavg()[0]
     started = time.strftime("%Y-%m-%d %H:%M")
     work = Path(tempfile.mkdtemp(prefix="caffepar-revisions-"))
+    atexit.register(shutil.rmtree, work, True)
     trees = {}
     for rev in args.revisions:
         tree = work / rev.replace("/", "_")
