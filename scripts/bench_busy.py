@@ -59,7 +59,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from bench_train import cpu_key, cpu_name
+    from cpuinfo import cpu_key, cpu_name
     cores = len(os.sched_getaffinity(0))
     threads = int(os.environ.get("OPENBLAS_NUM_THREADS", cores))
     fair = max(1.0, (args.hogs + min(threads, cores)) / cores)

@@ -322,7 +322,7 @@ def cluster_predictions(rows):
 
 
 def _markdown(rows, path, calibration=None):
-    from reproduce_table3 import _cpu_name
+    from cpuinfo import cpu_name
     lines = [
         "# Gradient communication options measured",
         "",
@@ -398,7 +398,7 @@ def _markdown(rows, path, calibration=None):
         "it is optimistic by about the comm it claims to hide.",
         "",
     ] + alexnet_like_lines() + cluster_predictions(rows) + [
-        f"Machine: {_cpu_name()}, {os.cpu_count()} cores.",
+        f"Machine: {cpu_name()}, {os.cpu_count()} cores.",
         "",
         "![compute and exposed communication per option](comm_opt.png)",
         "",

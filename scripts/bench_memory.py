@@ -65,7 +65,7 @@ def main():
     args = ap.parse_args()
     if args.child:
         return child(args.net, args.batch, args.iterations, args.folder)
-    from bench_train import cpu_name
+    from cpuinfo import cpu_name
     mb = 2 ** 20
     started = time.strftime("%Y-%m-%d %H:%M")
     cache = tempfile.mkdtemp(prefix="caffepar-memory-")

@@ -84,7 +84,7 @@ def main():
     ap.add_argument("--sizes", default="25,50,100,200", help="text sizes in MB")
     ap.add_argument("--out", default=str(ROOT / "results" / "prototxt_parse"))
     args = ap.parse_args()
-    from reproduce_table3 import _cpu_name
+    from cpuinfo import cpu_name
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for mb in [float(s) for s in args.sizes.split(",")]:
@@ -104,7 +104,7 @@ def main():
         w.writeheader()
         w.writerows(rows)
     lines = ["# Parsing long prototxts", "",
-             f"CPU: {_cpu_name()}. Generated nets of conv / ReLU / pooling blocks; each parse in "
+             f"CPU: {cpu_name()}. Generated nets of conv / ReLU / pooling blocks; each parse in "
              "a fresh process, peak RSS above the interpreter's own. `parts`: caffepar's "
              "`parse_text` (merged a few MB at a time, progress in the log); `whole`: protobuf's "
              "text parser on the whole text.", "",

@@ -25,7 +25,6 @@ import atexit
 import csv
 import gc
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -40,6 +39,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import caffepar  # noqa: E402,F401  (sets BLAS threading up before NumPy loads it)
 import numpy as np  # noqa: E402
+from cpuinfo import cpu_key, cpu_name, host_isa  # noqa: E402
 
 NETS = {"cifar10_quick": 100, "alexnet": 16, "vgg16": 4}
 TIME_ITERATIONS = {"cifar10_quick": 10, "alexnet": 3, "vgg16": 2}
@@ -182,61 +182,6 @@ def pool1_ms(rounds):
     return min(best_time(step, 10) for _ in range(rounds)) * 1e3
 
 
-def host_isa():
-    """The best of AVX-512, AVX2 the host has, from its feature flags."""
-    from caffepar.nn import native
-    flags = set(native._cpu_flags().split())
-    return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "SSE"
-
-
-def cpu_name():
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-        name = fields.get("Model name", "").strip()
-        flags = fields.get("Flags", "")
-        isa = host_isa() if flags else "no AVX2"
-        return f"{name} ({platform.machine()}, {isa}, {os.cpu_count()} logical CPUs)"
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-# AMD families 23, 25 and 26 by model range; Intel family 6 server and client cores by model.
-AMD_CORES = {23: [(0x00, "zen"), (0x30, "zen2")],
-             25: [(0x00, "zen3"), (0x10, "zen4"), (0x20, "zen3"), (0x60, "zen4"),
-                  (0x70, "zen4"), (0xa0, "zen4")],
-             26: [(0x00, "zen5")]}
-INTEL_CORES = {0x3f: "haswell", 0x4f: "broadwell", 0x55: "skylakex", 0x6a: "icelake",
-               0x6c: "icelake", 0x8f: "sapphirerapids", 0xcf: "emeraldrapids",
-               0xad: "graniterapids", 0x9e: "kabylake", 0xa5: "cometlake", 0x97: "alderlake",
-               0xb7: "raptorlake"}
-
-
-def cpu_key(cpuinfo="/proc/cpuinfo"):
-    """<vendor>_<family>: amd_zen4, intel_skylakex, ... (the CPU's family and model numbers
-    where the model is not listed), naming the results files of each CPU met."""
-    try:
-        with open(cpuinfo) as f:
-            fields = dict((k.strip(), v.strip()) for k, v in
-                          (line.split(":", 1) for line in f.read(1 << 16).splitlines()[:40]
-                           if ":" in line))
-    except OSError:
-        return platform.machine().lower() or "unknown"
-    vendor = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(fields.get("vendor_id"),
-                                                                 fields.get("vendor_id",
-                                                                            "cpu").lower())
-    try:
-        family, model = int(fields["cpu family"]), int(fields["model"])
-    except (KeyError, ValueError):
-        return f"{vendor}_{platform.machine().lower()}"
-    name = None
-    if vendor == "amd" and family in AMD_CORES:
-        name = [core for start, core in AMD_CORES[family] if model >= start][-1]
-    elif vendor == "intel" and family == 6:
-        name = INTEL_CORES.get(model)
-    return f"{vendor}_{name or f'f{family}m{model}'}"
-
-
 def build_isa(vector_bytes):
     """The instruction set the kernels were built for, from their vector width."""
     return {64: "AVX-512", 32: "AVX2", 16: "SSE"}.get(vector_bytes, f"{vector_bytes}-byte")
@@ -251,6 +196,9 @@ def main():
     ap.add_argument("--out", default=None,
                     help="write OUT.md, OUT.csv and OUT.png (default: results/cpu_speed_<cpu>; "
                          "empty: print only)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="drop the rows of OUT.csv for nets not run now (by default they are "
+                         "kept, so the nets can be measured one run each and the file resumed)")
     ap.add_argument("--keep-engines", action="store_true",
                     help="use the convolution engines measured earlier on this machine (by "
                          "default they are measured afresh, in a temporary cache)")
@@ -314,9 +262,14 @@ def main():
         gc.collect()
     pool = pool1_ms(args.rounds)
     load_end = os.getloadavg()[0]
+    for row in rows:
+        row.update(started=started, load=f"{load_start:.2f}-{load_end:.2f}", pool1_ms=pool,
+                   caffe="yes" if args.caffe else "no")
     print(f"\ncifar10_quick pool1 (MAX 3x3/2, 100x32x32x32) forward + backward: {pool:.2f} ms")
     print(f"load average (1 min): {load_start:.2f} at the start, {load_end:.2f} at the end")
     if args.out:
+        if not args.fresh:
+            rows = kept_rows(Path(args.out), rows)
         write_results(Path(args.out), rows, pool, dict(
             cpu=f"{cpu_name()} [{cpu_key()}; {native.cpu_model()}]", threads=threads, sgemm=rate, kernels=kernels, started=started,
             load=(load_start, load_end), caffe=args.caffe, rounds=args.rounds,
@@ -327,54 +280,81 @@ def main():
                              if os.environ.get(v))))
 
 
+FIELDS = ["net", "batch", "caffepar_step_ms", "pytorch_step_ms", "vs_pytorch", "caffepar_fb_ms",
+          "caffe_fb_ms", "vs_caffe", "sgemm_pct", "update_ms", "first_s", "engines", "started",
+          "load", "pool1_ms", "caffe"]
+
+
+def kept_rows(out, rows):
+    """This run's rows after the rows of OUT.csv for the other nets (each row keeps when it was
+    measured and the load then), in the bundled nets' order: a file measured one net per run."""
+    done = {r["net"] for r in rows}
+    old = []
+    try:
+        with open(out.with_suffix(".csv"), newline="") as f:
+            for r in csv.DictReader(f):
+                if r["net"] in done or "started" not in r:
+                    continue
+                old.append({k: (r[k] if k in ("net", "engines", "started", "load", "caffe")
+                                else int(r[k]) if k == "batch" else float(r[k]))
+                            for k in FIELDS if k in r})
+    except (OSError, ValueError, KeyError):
+        return rows
+    order = list(NETS)
+    return sorted(old + rows, key=lambda r: order.index(r["net"]) if r["net"] in order else 99)
+
+
 def write_results(out, rows, pool, info):
     out.parent.mkdir(parents=True, exist_ok=True)
-    fields = ["net", "batch", "caffepar_step_ms", "pytorch_step_ms", "vs_pytorch",
-              "caffepar_fb_ms", "caffe_fb_ms", "vs_caffe", "sgemm_pct", "update_ms", "first_s",
-              "engines"]
+    fields = FIELDS
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for row in rows:
             w.writerow({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in row.items()})
     # The benchmark's own threads count in the load at the end: only more than that is others'.
-    loaded = info["load"][0] > 0.5 or info["load"][1] > info["threads"] + 0.5
+    def loaded(load):
+        start, end = (float(v) for v in load.split("-"))
+        return start > 0.5 or end > info["threads"] + 0.5
+
     lines = [
         "# CPU speed: caffepar vs PyTorch 2.13 and BVLC Caffe",
         "",
-        f"Written by `python scripts/bench_train.py` ({info['started']}, {info['rounds']} "
-        f"alternating rounds, fastest counts). CPU: {info['cpu']}; {info['threads']} "
+        f"Written by `python scripts/bench_train.py` ({info['rounds']} alternating rounds per "
+        f"net, fastest counts; the nets may be measured in runs of their own, each row with its "
+        f"time and load). CPU: {info['cpu']}; {info['threads']} "
         f"thread(s); OPENBLAS_CORETYPE {info['coretype']}; NumPy SGEMM {info['sgemm']:.0f} "
         f"GFLOP/s; caffepar kernels: {info['kernels']}" +
         (f" ({info['builds']}: code for another instruction set than the host's best)"
          if info.get("builds") else "") + ".",
         "",
-        f"Load average (1 min) {info['load'][0]:.2f} at the start and {info['load'][1]:.2f} at "
-        f"the end: " + ("**measured on a loaded machine** (other jobs shared the cores; "
-                        "ratios from alternating rounds, absolute times noisy)."
-                        if loaded else "a quiet machine."),
-        "",
         "Training step = forward + backward + SGD update (caffepar solver step vs PyTorch). "
         "Forward+backward = `caffepar time` vs `caffe time` on models/<net>/"
-        "train_val_dummy.prototxt. Ratio < 1: caffepar faster.",
+        "train_val_dummy.prototxt (Caffe with the same OPENBLAS_* settings). Ratio < 1: "
+        "caffepar faster. Load = 1-minute load average at the start and end of the row's run "
+        "(the benchmark's own threads count at the end); a load above that marks the row as "
+        "**loaded** (other jobs shared the cores: ratios from alternating rounds, absolute "
+        "times noisy).",
         "",
         "| net | batch | caffepar step ms | PyTorch step ms | ratio | caffepar f+b ms | "
-        "Caffe f+b ms | ratio | update ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Caffe f+b ms | ratio | update ms | measured | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['net']} | {r['batch']} | {r['caffepar_step_ms']:.1f} | "
                      f"{r['pytorch_step_ms']:.1f} | **{r['vs_pytorch']:.2f}** | "
                      f"{r['caffepar_fb_ms']:.1f} | {r['caffe_fb_ms']:.1f} | "
-                     f"**{r['vs_caffe']:.2f}** | {r['update_ms']:.1f} |")
+                     f"**{r['vs_caffe']:.2f}** | {r['update_ms']:.1f} | {r['started']} | "
+                     f"{r['load']}{' **loaded**' if loaded(r['load']) else ''} |")
+    pools = ", ".join(f"{r['pool1_ms']:.2f}" for r in rows)
     lines += ["", f"cifar10_quick pool1 (MAX 3x3/2, 100x32x32x32) forward + backward: "
-                  f"**{pool:.2f} ms**.", "",
+                  f"**{pool:.2f} ms** in the latest run (in each row's run: {pools} ms).", "",
               "Convolution engines (measured on this machine at the first iteration, which "
               "took the time given):", ""]
     lines += [f"- {r['net']}: {r['engines']} (first iteration {r['first_s']:.1f} s)"
               for r in rows]
-    if info["caffe"] is None:
-        lines += ["", "Caffe columns are empty: no `--caffe` binary was given."]
+    if any(r["caffe"] != "yes" for r in rows):
+        lines += ["", "Caffe columns are empty where no `--caffe` binary was given."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

@@ -85,7 +85,7 @@ def main():
     args = ap.parse_args()
     if args.child:
         return child(args.repeat)
-    from bench_train import cpu_key, cpu_name
+    from cpuinfo import cpu_key, cpu_name
     builds = args.builds.split(",")
     load_start, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M")
     best, info = {}, {}

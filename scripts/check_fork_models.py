@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from cpuinfo import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -409,16 +410,6 @@ COLUMNS = ["item", "kind", "caffepar", "opencv", "caffepar_onnx", "caffe2onnx", 
 HEADERS = ["item", "kind", "caffepar", "OpenCV dnn vs caffepar",
            "caffepar's ONNX in onnxruntime vs caffepar", "caffe2onnx's ONNX in onnxruntime "
            "vs caffepar", "note"]
-
-
-def cpu_name():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def versions(caffe2onnx):

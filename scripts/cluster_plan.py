@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from reproduce_table3 import _cpu_name  # noqa: E402
+from cpuinfo import cpu_name  # noqa: E402
 
 NETS = {"vgg16": 4, "alexnet": 16}           # the bundled DummyData batch per rank
 NETWORKS = ("25gbe", "100gb-ib")
@@ -268,7 +268,7 @@ def write(rows, local, calibration):
             w = csv.DictWriter(f, list(local[0]))
             w.writeheader()
             w.writerows(local)
-    lines.append(f"Machine: {_cpu_name()}, {os.cpu_count()} cores; measured {time.strftime('%Y-%m-%d')}.")
+    lines.append(f"Machine: {cpu_name()}, {os.cpu_count()} cores; measured {time.strftime('%Y-%m-%d')}.")
     (RESULTS / "cluster_plan.md").write_text("\n".join(lines) + "\n")
 
 

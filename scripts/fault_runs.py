@@ -462,8 +462,8 @@ def _write_csv(out, rows):
 
 
 def _write_md(out, rows):
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")
-                if l.startswith("model name")), "unknown CPU")
+    from cpuinfo import cpu_name
+    cpu = cpu_name()
     lines = ["# Reliability: how caffepar runs end under faults", "",
              f"`python scripts/fault_runs.py` on {cpu} ({os.cpu_count()} cores, shared with "
              "other work). Each row: runs, how many ended as the README documents (exit status, "

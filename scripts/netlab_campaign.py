@@ -433,7 +433,7 @@ def result_rows(done, pieces):
 
 def write_report(done, pieces):
     """results/netlab.csv, .md and .png from the pieces done."""
-    from reproduce_table3 import _cpu_name
+    from cpuinfo import cpu_name
     from caffepar import netlab
     rows = result_rows(done, pieces)
     RESULTS.mkdir(exist_ok=True)
@@ -450,7 +450,7 @@ def write_report(done, pieces):
     md = ["# caffepar on the network lab: measured beside the cost model", "",
           "Produced by `python scripts/netlab_campaign.py --report` from the pieces "
           "`scripts/netlab_campaign.py` measured (run as root; it resumes where it stopped). "
-          f"CPU: {cpu_description(_cpu_name())}, {os.cpu_count()} cores for every node and "
+          f"CPU: {cpu_name()}, {os.cpu_count()} cores for every node and "
           "rank together "
           "(the lab's nodes are network namespaces of one machine). Each piece held an "
           "exclusive lock against the machine's other timed jobs; the CPU others used in "
@@ -631,22 +631,6 @@ def fc_section(rate="1gbit"):
     out += ["", f"The lab's winner agrees with the paper's in {agree} of {n} cells"
             + (f"; AUTO picks the lab's faster mode in {auto} of {n}." if models else "."), ""]
     return out
-
-
-def cpu_description(name):
-    """The CPU's name with its family, model and widest vector extension (the name alone can
-    be as vague as "AMD EPYC")."""
-    info = {}
-    try:
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    except OSError:
-        return name
-    flags = info.get("flags", "").split()
-    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{name} (family {info.get('cpu family', '?')}, model {info.get('model', '?')}, " \
-           f"{vector})"
 
 
 def findings(get, rows):

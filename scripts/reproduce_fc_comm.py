@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from reproduce_table3 import _cpu_name  # noqa: E402
+from cpuinfo import cpu_name  # noqa: E402
 
 LAYERS = {"fc6": (25088, 4096), "fc7": (4096, 4096), "fc8": (4096, 1000)}
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -348,7 +348,7 @@ def report(rows, cells, models, transports, ranks):
              "- One BLAS thread per rank. This machine has 2 cores: P=4 and P=8 oversubscribe "
              "them (4 and 8 processes on 2 cores), so a collective also waits for ranks the OS "
              "has not scheduled; P=8 figures carry that most.",
-             f"- {len(rows)} measurements ({', '.join(transports)}); CPU: {_cpu_name()}, {os.cpu_count()} cores.", ""]
+             f"- {len(rows)} measurements ({', '.join(transports)}); CPU: {cpu_name()}, {os.cpu_count()} cores.", ""]
     # Winner tables
     for layer in LAYERS:
         fan_in, num_output = LAYERS[layer]

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from google.protobuf import text_format  # noqa: E402
 
 from caffepar.logs import read_curves  # noqa: E402
+from cpuinfo import cpu_name  # noqa: E402
 from caffepar.proto.text import read_net_text, read_solver_text  # noqa: E402
 
 #: name -> (ranks, caffepar train options, label)
@@ -200,7 +201,7 @@ def _plot(results, png):
 
 def _markdown(results, base, path, args):
     import platform
-    cpu = _cpu_name()
+    cpu = cpu_name()
     lines = [
         "# Table 3 reproduced: cifar10_quick converges the same in one process, DATA and HYBRID",
         "",
@@ -259,17 +260,6 @@ def _markdown(results, base, path, args):
         "",
     ]
     path.write_text("\n".join(lines))
-
-
-def _cpu_name():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or "unknown CPU"
 
 
 def main():

@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from google.protobuf import text_format  # noqa: E402
 
-from reproduce_table3 import _cpu_name, curves_of, newest_snapshot, prepare_data  # noqa: E402
+from cpuinfo import cpu_name  # noqa: E402
+from reproduce_table3 import curves_of, newest_snapshot, prepare_data  # noqa: E402
 
 from caffepar.proto.text import read_net_text, read_solver_text  # noqa: E402
 
@@ -216,7 +217,7 @@ def _markdown(results, table, path, args):
         "- Wall time: both ranks share this machine's 2 cores, with other work running at the",
         "  same time (load average at the end of each run in result.json); it is here to plan",
         "  a rerun, not a speed result.",
-        f"- Machine: {_cpu_name()}, {os.cpu_count()} cores; Python {platform.python_version()}.",
+        f"- Machine: {cpu_name()}, {os.cpu_count()} cores; Python {platform.python_version()}.",
         "",
         "![test accuracy against iteration](topk.png)",
         "",

@@ -112,6 +112,27 @@ class _Layout:
                                    hp, wp, cp, *g.kernel, ho, wo, *g.stride, *g.dilation,
                                    r0, r1)
 
+    def forward_nchw(self, x, wt, y, bias, i, m, g, pad, ci0, channels, co0, och, buf):
+        """y[i:i + m] channels co0 .. co0 + och (+ bias) = the forward kernel over channels
+        ci0 .. ci0 + channels of x[i:i + m], image by image through one image's buffers."""
+        _, c_in, h, w = x.shape
+        _, c_out, ho, wo = y.shape
+        self.k.conv_direct_forward_nchw(
+            self.image(x, i), native.ptr(buf["x"]), native.ptr(wt), native.ptr(buf["y"]),
+            self.image(y, i), None if bias is None else native.ptr(bias), m, c_in, ci0,
+            channels, h, w, *pad, buf["y"].shape[-1], *g.kernel, ho, wo, *g.stride,
+            *g.dilation, c_out, co0, och)
+
+    def weight_gradient_nchw(self, out, x, dy, i, m, g, ci0, channels, co0, och, buf):
+        """out (C, KH, KW, CP) += the weight gradient of images i .. i + m (channels ci0 ..
+        of x, co0 .. of dy), image by image through one image's buffers."""
+        _, c_in, h, w = x.shape
+        _, c_out, ho, wo = dy.shape
+        self.k.conv_direct_dw_nchw(
+            self.image(x, i), native.ptr(buf["x"]), self.image(dy, i), native.ptr(buf["dyl"]),
+            native.ptr(out), m, c_in, ci0, channels, h, w, *g.pad, buf["dyl"].shape[-1],
+            *g.kernel, ho, wo, *g.stride, *g.dilation, c_out, co0, och)
+
     def weight_gradient(self, out, xp, dyl, i, m, g, c0, c1):
         """out (C, KH, KW, CP) += input channels c0 .. c1 of the weight gradient of images
         i .. i + m."""
@@ -150,10 +171,8 @@ def forward(g, x, w, bias, y, group, dt):
         b = None if bias is None else np.ascontiguousarray(bias[gi * og:(gi + 1) * og])
         if _by_images(n):
             def run(i, m, _r0, _r1):
-                buf = _buffers(shapes, dt, m)
-                lay.pad(buf["x"], x[i:i + m], 0, m, gi * cg, cg, g.pad)
-                lay.convolve(buf["y"], buf["x"], wt, 0, m, g, 0, g.out[0])
-                lay.from_lanes(buf["y"], y[i:i + m], 0, m, gi * og, og, b)
+                lay.forward_nchw(x, wt, y, b, i, m, g, g.pad, gi * cg, cg, gi * og, og,
+                                 _buffers(shapes, dt, 1))
 
             _run(run, _parts(n, 1))
             continue
@@ -178,6 +197,7 @@ def backward(g, dy, x, w, dx, group, need_dw, dt):
     hp, wp = (i + 2 * p for i, p in zip(g.in_sp, g.pad))
     shapes = {"x": (n, cg, hp, wp), "dyl": (n,) + g.out + (_lanes(og, dt),),
               "dyp": (n, og) + spread, "dxl": (n,) + g.in_sp + (_lanes(cg, dt),)}
+    dx_shapes = {"x": shapes["dyp"], "y": shapes["dxl"]}   # dx as the forward kernel on dy
     for gi in range(group):
         wt = lay.weights(wf[gi * cg:(gi + 1) * cg]) if dx is not None else None
         if _by_images(n):
@@ -186,13 +206,15 @@ def backward(g, dy, x, w, dx, group, need_dw, dt):
                 if need_dw else None
 
             def run(i, m, _r0, _r1):
-                buf = _buffers(shapes, dt, m)
                 if need_dw:
-                    lay.pad(buf["x"], x[i:i + m], 0, m, gi * cg, cg, g.pad)
-                    lay.to_lanes(buf["dyl"], dy[i:i + m], 0, m, gi * og, og)
-                    lay.weight_gradient(sums[[r[0] for r in runs].index(i)], buf["x"],
-                                        buf["dyl"], 0, m, g, 0, cg)
-                if dx is not None:
+                    lay.weight_gradient_nchw(sums[[r[0] for r in runs].index(i)], x, dy, i, m,
+                                             g, gi * cg, cg, gi * og, og,
+                                             _buffers(shapes, dt, 1))
+                if dx is not None and g.stride == (1, 1):
+                    lay.forward_nchw(dy, wt, dx, None, i, m, gt, _dx_pad(g), gi * og, og,
+                                     gi * cg, cg, _buffers(dx_shapes, dt, 1))
+                elif dx is not None:
+                    buf = _buffers(shapes, dt, m)
                     _spread(lay, buf["dyp"], dy[i:i + m], gi * og, og, g)
                     lay.convolve(buf["dxl"], buf["dyp"], wt, 0, m, gt, 0, g.in_sp[0])
                     lay.from_lanes(buf["dxl"], dx[i:i + m], 0, m, gi * cg, cg, None)

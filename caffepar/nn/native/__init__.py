@@ -72,6 +72,8 @@ SIGNATURES = {
     "conv_from_lanes": "ppp" + "i" * 6,
     "conv_direct_forward": "ppp" + "i" * 15,
     "conv_direct_dw": "ppp" + "i" * 15,
+    "conv_direct_forward_nchw": "pppppp" + "i" * 20,
+    "conv_direct_dw_nchw": "ppppp" + "i" * 20,
     "conv_block": "",
 }
 

@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""The direct convolution engine of two or more git revisions side by side: forward and
+backward (dw, and dx where the net needs it) at the convolution shapes of the bundled nets that
+run on it, each revision in a process of its own (its own compiled kernels), in alternating
+rounds, the fastest counting. Writes results/direct_revisions_<cpu>[_<isa>].{md,csv}.
+
+    python scripts/bench_direct_revisions.py REV [REV ...] [--rounds 3] [--out PATH]
+
+A kernel change is kept when it helps, or is neutral, for the kernels built for each
+instruction set (run it again with CAFFEPAR_CFLAGS=-march=haswell for AVX2 code).
+"""
+import argparse
+import atexit
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from cpuinfo import cpu_key, cpu_name, host_isa  # noqa: E402
+
+# name: (channels in, input size, channels out, kernel, stride, pad, batch, dx needed)
+SHAPES = {"cifar10_quick conv1": (3, 32, 32, 5, 1, 2, 100, False),
+          "cifar10_quick conv2": (32, 16, 32, 5, 1, 2, 100, True),
+          "cifar10_quick conv3": (32, 8, 64, 5, 1, 2, 100, True),
+          "alexnet conv1": (3, 227, 96, 11, 4, 0, 16, False),
+          "vgg16 conv3_1": (128, 56, 256, 3, 1, 1, 4, True)}
+
+TIMER = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import caffepar  # noqa: F401
+import numpy as np
+from caffepar.nn import native
+from caffepar.nn.conv import direct
+from caffepar.nn.conv.geometry import geom
+dt = np.dtype(np.float32)
+out = {"vector_bytes": native.kernels(dt).vector_bytes}
+for name, (c, h, o, k, s, p, n, need_dx) in json.loads(sys.argv[2]).items():
+    g = geom((h, h), (k, k), (s, s), (p, p), (1, 1))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, c, h, h), dtype=np.float32)
+    w = rng.standard_normal((o, c, k, k), dtype=np.float32)
+    y = np.empty((n, o) + g.out, np.float32)
+    dx = np.empty_like(x) if need_dx else None
+    def best(fn):
+        fn()
+        times = []
+        while len(times) < 3 or sum(times) < 0.3:
+            t0 = time.perf_counter(); fn(); times.append(time.perf_counter() - t0)
+        return min(times) * 1e3
+    out[name] = (best(lambda: direct.forward(g, x, w, None, y, 1, dt)),
+                 best(lambda: direct.backward(g, y, x, w, dx, 1, True, dt)))
+print(json.dumps(out))
+"""
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("revisions", nargs="+")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="timed rounds (0: only build each revision's kernels)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    load_start = os.getloadavg()[0]
+    started = time.strftime("%Y-%m-%d %H:%M")
+    work = Path(tempfile.mkdtemp(prefix="caffepar-revisions-"))
+    atexit.register(shutil.rmtree, work, True)
+    trees = {}
+    for rev in args.revisions:
+        tree = work / rev.replace("/", "_")
+        tree.mkdir()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "caffepar"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        trees[rev] = tree
+    best = {rev: {} for rev in trees}
+    vector_bytes = None
+    for _ in range(args.rounds + 1):        # the first round builds the kernels, untimed
+        for rev, tree in trees.items():
+            got = json.loads(subprocess.run(
+                [sys.executable, "-c", TIMER, str(tree), json.dumps(SHAPES)],
+                capture_output=True, text=True, check=True).stdout)
+            vector_bytes = got.pop("vector_bytes")
+            if _ == 0:
+                continue
+            for name, (f, b) in got.items():
+                old = best[rev].get(name, (float("inf"), float("inf")))
+                best[rev][name] = (min(old[0], f), min(old[1], b))
+    if args.rounds == 0:
+        return
+    load_end = os.getloadavg()[0]
+    isa = {64: "AVX-512", 32: "AVX2", 16: "SSE"}.get(vector_bytes, f"{vector_bytes}-byte")
+    suffix = "" if isa == host_isa() else "_" + isa.lower().replace("-", "")
+    out = Path(args.out) if args.out else ROOT / f"results/direct_revisions_{cpu_key()}{suffix}"
+    base = args.revisions[0]
+    rows = []
+    for name in SHAPES:
+        for rev in args.revisions:
+            f, b = best[rev][name]
+            f0, b0 = best[base][name]
+            rows.append({"shape": name, "revision": rev, "forward_ms": f, "backward_ms": b,
+                         "vs_first": (f + b) / (f0 + b0)})
+    lines = [f"# The direct convolution engine at {len(args.revisions)} revisions", "",
+             f"Written by `python scripts/bench_direct_revisions.py {' '.join(args.revisions)}`"
+             f" ({started}, {args.rounds} alternating rounds, fastest counts). CPU: "
+             f"{cpu_name()}; kernels built for {isa}"
+             + (f" (CAFFEPAR_CFLAGS={os.environ['CAFFEPAR_CFLAGS']})"
+                if os.environ.get("CAFFEPAR_CFLAGS") else "")
+             + f"; {os.environ.get('OPENBLAS_NUM_THREADS', os.cpu_count())} thread(s). Load "
+             f"average (1 min) {load_start:.2f} at the start, {load_end:.2f} at the end.", "",
+             "Forward, and backward (dw, plus dx where the net needs it), ms; ratio = "
+             f"forward + backward against {base}.", "",
+             "| shape | revision | forward ms | backward ms | vs first |", "|---|---|---|---|---|"]
+    lines += [f"| {r['shape']} | {r['revision']} | {r['forward_ms']:.2f} | "
+              f"{r['backward_ms']:.2f} | {r['vs_first']:.2f} |" for r in rows]
+    print("\n".join(lines))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()})
+
+
+if __name__ == "__main__":
+    main()
