@@ -14,7 +14,7 @@ import os
 import signal
 import socket
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import numpy as np
 
@@ -422,7 +422,6 @@ class Stragglers:
     MAX_PROBED = 16
 
     def __init__(self):
-        from collections import deque
         self.history = defaultdict(lambda: deque(maxlen=self.WINDOW))
         self.slow = None            # (seconds, usual, key) of the slowest since last agreed
         self.baseline = None
