@@ -100,11 +100,9 @@ def main():
                      f"{r['slowdown']:.2f}x | **{r['over_fair']:.2f}** |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from figures import pyplot
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3))
     ax.bar(range(len(rows)), [r["slowdown"] for r in rows], 0.5)

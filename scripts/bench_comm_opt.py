@@ -208,9 +208,10 @@ def write_results(args):
 
 
 def _plot(rows, png):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from figures import pyplot
+    plt = pyplot()
+    if plt is None:
+        return
     groups = sorted({(r["net"], r["np"]) for r in rows})
     fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 3.6), squeeze=False)
     for ax, (net, ranks) in zip(axes[0], groups):

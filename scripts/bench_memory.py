@@ -116,11 +116,9 @@ def main():
     lines += [f"- {size / mb:.1f} MB: {what}" for size, what in rows[0]["largest"]]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from figures import pyplot
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3))
     names = [r["case"] for r in rows]

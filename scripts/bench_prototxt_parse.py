@@ -119,9 +119,11 @@ def main():
               "Seconds per text MB (parts): " + ", ".join(
         f"{p['text_mb']:g} MB: {p['seconds'] / p['text_mb']:.3f}" for p in parts), ""]
     out.with_suffix(".md").write_text("\n".join(lines))
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    print("wrote", out.with_suffix(".md"))
+    from figures import pyplot
+    plt = pyplot()
+    if plt is None:
+        return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for mode, marker in (("parts", "o-"), ("whole", "s--")):
         sel = [r for r in rows if r["mode"] == mode]
@@ -135,7 +137,6 @@ def main():
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
-    print("wrote", out.with_suffix(".md"))
 
 
 if __name__ == "__main__":

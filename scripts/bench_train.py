@@ -356,11 +356,9 @@ def write_results(out, rows, pool, info):
     if any(r["caffe"] != "yes" for r in rows):
         lines += ["", "Caffe columns are empty where no `--caffe` binary was given."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from figures import pyplot
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.2))
     x = np.arange(len(rows))

@@ -676,9 +676,10 @@ def findings(get, rows):
 
 
 def plot(rows):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from figures import pyplot
+    plt = pyplot()
+    if plt is None:
+        return
     from caffepar import netlab
     rates = sorted({r["rate"] for r in rows if (r["nodes"], r["ranks_per_node"]) == (2, 1)},
                    key=lambda x: netlab.parse_rate(x) or 1e15)

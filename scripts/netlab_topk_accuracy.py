@@ -170,9 +170,11 @@ def write_results():
             for it, acc, loss, train, wall in points:
                 w.writerow([name, it, f"{acc:.4f}", f"{loss:.4f}", f"{train:.1f}",
                             f"{wall:.1f}"])
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    (WORK / "summary.json").write_text(json.dumps({n: time_to(c) for n, c in curves.items()}))
+    from figures import pyplot
+    plt = pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, points in curves.items():
         ax.plot([p[3] / 60 for p in points], [p[1] for p in points], "o-", ms=3,
@@ -184,7 +186,6 @@ def write_results():
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(RESULTS / "netlab_topk.png", dpi=90)
-    (WORK / "summary.json").write_text(json.dumps({n: time_to(c) for n, c in curves.items()}))
     print("wrote results/netlab_topk.csv, netlab_topk.png")
 
 

@@ -293,9 +293,10 @@ def write_results(rows, cells, models, transports, ranks):
 
 
 def plot(rows, transports):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from figures import pyplot
+    plt = pyplot()
+    if plt is None:
+        return
     styles = {2: "o", 4: "s", 8: "^"}
     for layer in LAYERS:
         fig, axes = plt.subplots(1, len(transports), figsize=(5.5 * len(transports), 4.2),

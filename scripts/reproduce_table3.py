@@ -179,9 +179,10 @@ def write_results(args):
 
 
 def _plot(results, png):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from figures import pyplot
+    plt = pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
         its = sorted(int(k) for k in r["test"])

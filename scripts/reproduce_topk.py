@@ -147,9 +147,10 @@ def write_results(args):
 
 
 def _plot(results, table, png):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from figures import pyplot
+    plt = pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, r in results.items():
         its = sorted(int(k) for k in r["test"])
