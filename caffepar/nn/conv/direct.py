@@ -103,14 +103,15 @@ class _Layout:
                                None if bias is None else native.ptr(bias), m, c_all, first,
                                channels, h * w, lanes.shape[-1])
 
-    def convolve(self, out, xp, wt, i, m, g, r0, r1):
+    def convolve(self, out, xp, wt, i, m, g, inside, r0, r1):
         """Rows r0 .. r1 of out[i:i + m] (N, Ho, Wo, CP) = the forward kernel over padded
-        x (N, C, Hp, Wp) and weights from `weights`."""
+        x (N, C, Hp, Wp), zero outside the rows and columns `inside` (the kernel skips what
+        reads only there), and weights from `weights`."""
         _, c, hp, wp = xp.shape
         _, ho, wo, cp = out.shape
         self.k.conv_direct_forward(self.image(xp, i), native.ptr(wt), self.image(out, i), m, c,
                                    hp, wp, cp, *g.kernel, ho, wo, *g.stride, *g.dilation,
-                                   r0, r1)
+                                   *inside, r0, r1)
 
     def forward_nchw(self, x, wt, y, bias, i, m, g, pad, ci0, channels, co0, och, buf):
         """y[i:i + m] channels co0 .. co0 + och (+ bias) = the forward kernel over channels
@@ -139,7 +140,8 @@ class _Layout:
         _, c, hp, wp = xp.shape
         _, ho, wo, cp = dyl.shape
         self.k.conv_direct_dw(self.image(xp, i), self.image(dyl, i), native.ptr(out), m, c, hp,
-                              wp, cp, *g.kernel, ho, wo, *g.stride, *g.dilation, c0, c1)
+                              wp, cp, *g.kernel, ho, wo, *g.stride, *g.dilation,
+                              *_inside(g.pad, g.in_sp, (1, 1)), c0, c1)
 
     def weights(self, w):
         """(O, C, KH, KW) -> (OP / B, C, KH, KW, B): blocks of B output channels (the forward
@@ -151,6 +153,13 @@ class _Layout:
         wt[:o] = w
         return np.ascontiguousarray(
             wt.reshape((-1, block) + w.shape[1:]).transpose(0, 2, 3, 4, 1))
+
+
+def _inside(pad, extent, step):
+    """(first row, end row, first column, end column) of a padded array holding `extent`
+    values `step` apart after `pad` zeros: where it is not zero padding."""
+    (ph, pw), (h, w), (sh, sw) = pad, extent, step
+    return ph, ph + (h - 1) * sh + 1, pw, pw + (w - 1) * sw + 1
 
 
 def _buffers(shapes, dt, n=None):
@@ -178,7 +187,8 @@ def forward(g, x, w, bias, y, group, dt):
             continue
         buf = _buffers(shapes, dt)
         _run(lambda i, m, _a, _b: lay.pad(buf["x"], x, i, m, gi * cg, cg, g.pad), _parts(n, 1))
-        _run(lambda i, m, r0, r1: lay.convolve(buf["y"], buf["x"], wt, i, m, g, r0, r1),
+        _run(lambda i, m, r0, r1: lay.convolve(buf["y"], buf["x"], wt, i, m, g,
+                                               _inside(g.pad, g.in_sp, (1, 1)), r0, r1),
              _parts(n, g.out[0]))
         _run(lambda i, m, _a, _b: lay.from_lanes(buf["y"], y, i, m, gi * og, og, b),
              _parts(n, 1))
@@ -198,6 +208,7 @@ def backward(g, dy, x, w, dx, group, need_dw, dt):
     shapes = {"x": (n, cg, hp, wp), "dyl": (n,) + g.out + (_lanes(og, dt),),
               "dyp": (n, og) + spread, "dxl": (n,) + g.in_sp + (_lanes(cg, dt),)}
     dx_shapes = {"x": shapes["dyp"], "y": shapes["dxl"]}   # dx as the forward kernel on dy
+    dy_inside = _inside(_dx_pad(g), g.out, g.stride)
     for gi in range(group):
         wt = lay.weights(wf[gi * cg:(gi + 1) * cg]) if dx is not None else None
         if _by_images(n):
@@ -216,7 +227,8 @@ def backward(g, dy, x, w, dx, group, need_dw, dt):
                 elif dx is not None:
                     buf = _buffers(shapes, dt, m)
                     _spread(lay, buf["dyp"], dy[i:i + m], gi * og, og, g)
-                    lay.convolve(buf["dxl"], buf["dyp"], wt, 0, m, gt, 0, g.in_sp[0])
+                    lay.convolve(buf["dxl"], buf["dyp"], wt, 0, m, gt, dy_inside, 0,
+                                 g.in_sp[0])
                     lay.from_lanes(buf["dxl"], dx[i:i + m], 0, m, gi * cg, cg, None)
 
             _run(run, runs)
@@ -235,7 +247,8 @@ def backward(g, dy, x, w, dx, group, need_dw, dt):
                 _run(lambda i, m, _a, _b: _spread(lay, buf["dyp"][i:i + m], dy[i:i + m],
                                                   gi * og, og, g), _parts(n, 1))
                 _run(lambda i, m, r0, r1: lay.convolve(buf["dxl"], buf["dyp"], wt, i, m, gt,
-                                                       r0, r1), _parts(n, g.in_sp[0]))
+                                                       dy_inside, r0, r1),
+                     _parts(n, g.in_sp[0]))
                 _run(lambda i, m, _a, _b: lay.from_lanes(buf["dxl"], dx, i, m, gi * cg, cg,
                                                          None), _parts(n, 1))
         if need_dw:
