@@ -10,7 +10,8 @@ Each net is timed by the code of this tree ("now") and, with --before REV, by th
 code (its own kernels, in a process of its own), alone and beside each count of hogs, in
 alternating rounds, the fastest counting. Each net's rows replace that net's earlier rows in
 the CSV, so nets can be run one at a time; the markdown and PNG are drawn from the whole CSV.
-For every setting the layers furthest over the fair share (beside the most hogs) are listed.
+For every setting, beside the most hogs, the layer passes that lost the most time beyond
+their fair share, and those furthest over it, are listed.
 
     python scripts/bench_busy.py [--nets alexnet vgg16] [--hogs 4 8] [--before REV]
                                  [--rounds 3] [--iterations 3] [--out results/busy_<cpu>]
@@ -33,7 +34,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 HOG = "while True: pass"
 FIELDS = ["net", "setting", "hogs", "runnable", "alone_ms", "busy_ms", "slowdown", "fair_share",
-          "over_fair", "worst_layers", "rounds", "iterations", "load_before", "written"]
+          "over_fair", "worst_layers", "excess_layers", "rounds", "iterations", "load_before", "written"]
 
 
 def time_net(tree, net, iterations, env=None):
@@ -79,6 +80,13 @@ def worst_layers(alone, busy, fair, count=4):
     return "; ".join(f"{k} {r:.2f}" for r, k in over[:count])
 
 
+def excess_layers(alone, busy, fair, count=4):
+    """The layer passes that lost the most time beyond their fair share (busy - fair * alone),
+    in ms, as text."""
+    over = sorted(((busy[k] - fair * alone[k], k) for k in alone if k in busy), reverse=True)
+    return "; ".join(f"{k} {ms:+.0f} ms" for ms, k in over[:count])
+
+
 def measure(net, trees, hogs_counts, rounds, iterations, fair_of, load_before):
     best = {}                       # (setting, hogs or 0) -> (ms, layers)
     for tree in trees.values():     # kernels built and engines measured before timing
@@ -108,6 +116,8 @@ def measure(net, trees, hogs_counts, rounds, iterations, fair_of, load_before):
                          "alone_ms": alone, "busy_ms": busy, "slowdown": busy / alone,
                          "fair_share": fair, "over_fair": busy / alone / fair,
                          "worst_layers": worst_layers(alone_layers, busy_layers, fair)
+                         if hogs == max(hogs_counts) else "",
+                         "excess_layers": excess_layers(alone_layers, busy_layers, fair)
                          if hogs == max(hogs_counts) else "",
                          "rounds": rounds, "iterations": iterations,
                          "load_before": load_before, "written": written})
@@ -154,9 +164,14 @@ def write(out, rows, cores, threads):
             alone = [next(r["alone_ms"] for r in mine if r["setting"] == s) for s in settings]
             lines += ["", f"Alone, {settings[-1]} / {settings[0]}: "
                       f"**{alone[-1] / alone[0]:.3f}**."]
-        lines += [""] + [f"Layer passes furthest over the fair share beside {r['hogs']} hogs, "
-                         f"{r['setting']}: {r['worst_layers']}." for r in mine
-                         if r["worst_layers"]] + [""]
+        for r in mine:
+            if r["worst_layers"]:
+                lines += ["", f"Beside {r['hogs']} hogs, {r['setting']}: "
+                          f"{r['busy_ms'] - r['fair_share'] * r['alone_ms']:+.0f} ms beyond the "
+                          f"fair share; the layer passes that lost the most: "
+                          f"{r['excess_layers']}; furthest over it (slowdown / fair share): "
+                          f"{r['worst_layers']}."]
+        lines += [""]
     out.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
     from figures import pyplot
