@@ -14,7 +14,8 @@ For every setting, beside the most hogs, the layer passes that lost the most tim
 their fair share, and those furthest over it, are listed.
 
     python scripts/bench_busy.py [--nets alexnet vgg16] [--hogs 4 8] [--before REV]
-                                 [--rounds 3] [--iterations 3] [--out results/busy_<cpu>]
+                                 [--rounds 3] [--alone-rounds 0] [--iterations 3]
+                                 [--out results/busy_<cpu>]
 """
 import argparse
 import atexit
@@ -87,7 +88,7 @@ def excess_layers(alone, busy, fair, count=4):
     return "; ".join(f"{k} {ms:+.0f} ms" for ms, k in over[:count])
 
 
-def measure(net, trees, hogs_counts, rounds, iterations, fair_of, load_before):
+def measure(net, trees, hogs_counts, rounds, alone_rounds, iterations, fair_of, load_before):
     best = {}                       # (setting, hogs or 0) -> (ms, layers)
     for tree in trees.values():     # kernels built and engines measured before timing
         time_net(tree, net, 1)
@@ -105,6 +106,12 @@ def measure(net, trees, hogs_counts, rounds, iterations, fair_of, load_before):
                     best[setting, hogs] = got
                 print(f"{net} round {r + 1} {setting}, {hogs} hogs: {got[0]:.0f} ms",
                       flush=True)
+    for r in range(alone_rounds):   # more alternating rounds alone: the quiet machine's ratio
+        for setting, tree in trees.items():
+            got = time_net(tree, net, iterations)
+            if got[0] < best[setting, 0][0]:
+                best[setting, 0] = got
+            print(f"{net} alone round {r + 1} {setting}: {got[0]:.0f} ms", flush=True)
     written = time.strftime("%Y-%m-%d %H:%M")
     rows = []
     for setting in trees:
@@ -119,7 +126,8 @@ def measure(net, trees, hogs_counts, rounds, iterations, fair_of, load_before):
                          if hogs == max(hogs_counts) else "",
                          "excess_layers": excess_layers(alone_layers, busy_layers, fair)
                          if hogs == max(hogs_counts) else "",
-                         "rounds": rounds, "iterations": iterations,
+                         "rounds": f"{rounds} + {alone_rounds} alone" if alone_rounds
+                         else rounds, "iterations": iterations,
                          "load_before": load_before, "written": written})
     return rows
 
@@ -201,6 +209,8 @@ def main():
     ap.add_argument("--before", default=None, help="a git revision to time beside this tree")
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--alone-rounds", type=int, default=0,
+                    help="extra alternating rounds alone (cheap), for the quiet machine's ratio")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from cpuinfo import cpu_key
@@ -219,8 +229,8 @@ def main():
     out = Path(args.out) if args.out else ROOT / f"results/busy_{cpu_key()}"
     for net in args.nets:
         load_before = os.getloadavg()[0]
-        rows = measure(net, trees, sorted(args.hogs), args.rounds, args.iterations, fair_of,
-                       load_before)
+        rows = measure(net, trees, sorted(args.hogs), args.rounds, args.alone_rounds,
+                       args.iterations, fair_of, load_before)
         kept = [r for r in read_rows(out.with_suffix(".csv"))
                 if set(r) == set(FIELDS) and r["net"] != net]
         write(out, kept + rows, cores, threads)
