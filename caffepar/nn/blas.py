@@ -17,7 +17,8 @@ its own work arrays (`scratch`).
 BLAS splits a GEMM into one fixed share per thread, and its threads wait for one another by
 spinning. When other processes keep the cores busy (`cores_contended`), a share whose thread
 is descheduled holds up the rest: a GEMM then took 5-10x its fair-share time. There, big GEMMs
-are cut into smaller parts that whichever thread is running takes (`run_parts`).
+are cut into smaller parts that whichever thread is running takes (`run_parts`); they round
+like one BLAS thread.
 """
 import contextlib
 import ctypes
