@@ -7,6 +7,10 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")
 # Tests take the engines of the fixed rules (deterministic, no timing); tests of the measured
 # choice set it themselves.
 os.environ.setdefault("CAFFEPAR_CONV_ENGINES", "rules")
+# On contended cores big GEMMs run in single-threaded parts, which round like one BLAS thread,
+# not two: tests that compare runs exactly keep one way whatever else runs on the machine;
+# tests of the contended way set it themselves.
+os.environ.setdefault("CAFFEPAR_CONTENDED", "0")
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 CAFFE_REF = SHARED / "caffe_ref"

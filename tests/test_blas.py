@@ -162,3 +162,87 @@ def test_run_parts_after_fork():
             pytest.fail("run_parts hung in a forked child")
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_contention_from_the_run_queue_wait(tmp_path, monkeypatch):
+    """Contended while the main thread waited for a core at least CONTENDED_WAIT of the wall
+    time since the last reading; read at most once a period; forced by CAFFEPAR_CONTENDED."""
+    monkeypatch.delenv("CAFFEPAR_CONTENDED", raising=False)
+    stat = tmp_path / "schedstat"
+    stat.write_text("5000 0 3\n")
+    c = blas.Contention(str(stat), period=0.25)
+    assert not c(now=10.0)                          # a first reading has nothing to compare
+    stat.write_text(f"9000 {int(0.3e9)} 9\n")       # waited 0.3 s of the next 1 s
+    assert c(now=11.0)
+    stat.write_text(f"9000 {int(0.31e9)} 9\n")
+    assert c(now=11.1)                              # within the period: the last answer
+    assert not c(now=12.0)                          # 0.01 s of 0.9 s
+    stat.write_text(f"9000 {int(0.31e9 + 0.19e9)} 9\n")
+    assert not c(now=13.0)                          # 0.19 s of 1 s: below the share
+    assert not blas.Contention(str(tmp_path / "missing"))(now=1.0)
+    monkeypatch.setenv("CAFFEPAR_CONTENDED", "1")
+    assert blas.Contention(str(tmp_path / "missing"))()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="no schedstat")
+def test_contention_seen_beside_busy_processes(monkeypatch):
+    """More busy processes than cores keep this one waiting for a core, and the reading
+    notices."""
+    monkeypatch.delenv("CAFFEPAR_CONTENDED", raising=False)
+    import subprocess
+    import sys
+    cores = len(os.sched_getaffinity(0))
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(cores + 1)]
+    try:
+        c = blas.Contention(period=0.0)
+        c()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.5:
+            pass
+        assert c()
+    finally:
+        for p in hogs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("shape,trans_a,trans_b,beta",
+                         [((40, 517, 500), False, True, 0.0), ((700, 64, 130), True, False, 1.0)])
+def test_contended_gemm_runs_in_parts(shape, trans_a, trans_b, beta, monkeypatch):
+    """On contended cores a big GEMM is cut along c's longer side into parts that the
+    threads take as they come, with the result one BLAS thread gives; a quiet machine leaves
+    it to BLAS."""
+    if blas._THREADS is None:
+        pytest.skip("this BLAS's thread count cannot be set")
+    m, k, n = shape
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    c0 = rng.standard_normal((m, n)).astype(np.float32)
+    want = (a.T if trans_a else a) @ (b.T if trans_b else b) + beta * c0
+    runs = []
+    real = blas.run_parts
+    monkeypatch.setattr(blas, "run_parts", lambda fn, parts, w=None: runs.append(parts)
+                        or real(fn, parts, w))
+    monkeypatch.setattr(blas, "blas_threads", lambda: 2)
+    monkeypatch.setattr(blas, "SPLIT_MIN_MACS", 1 << 16)
+    monkeypatch.setattr(blas, "cores_contended", lambda: True)
+    c = c0.copy()
+    blas.gemm_views(a, b, c, trans_a, trans_b, beta)
+    np.testing.assert_allclose(c, want, rtol=1e-4, atol=1e-3)
+    split = c.copy()
+    size = max(m, n)
+    (parts,) = runs
+    assert len(parts) == min(8, size // 64) and parts[0][0] == 0 and parts[-1][1] == size
+    assert all(lo < hi and lo % 16 == 0 for lo, hi in parts)
+    assert all(p[1] == q[0] for p, q in zip(parts, parts[1:]))
+    monkeypatch.setattr(blas, "cores_contended", lambda: False)
+    c = c0.copy()
+    blas.gemm_views(a, b, c, trans_a, trans_b, beta)
+    np.testing.assert_allclose(c, want, rtol=1e-4, atol=1e-3)
+    assert len(runs) == 1
+    c = c0.copy()
+    with blas.single_threaded_blas():
+        blas.gemm_views(a, b, c, trans_a, trans_b, beta)
+    np.testing.assert_array_equal(split, c)

@@ -13,6 +13,12 @@ The cores a process may use are its BLAS threads (`blas_threads`, set per MPI ra
 `caffepar._threads`). Layers whose work comes in independent blocks can instead run the blocks
 side by side on that many Python threads (`run_parts`), each with single-threaded GEMMs and
 its own work arrays (`scratch`).
+
+BLAS splits a GEMM into one fixed share per thread, and its threads wait for one another by
+spinning. When other processes keep the cores busy (`cores_contended`), a share whose thread
+is descheduled holds up the rest: a GEMM then took 5-10x its fair-share time. There, big GEMMs
+are cut into smaller parts that whichever thread is running takes (`run_parts`); they round
+like one BLAS thread.
 """
 import contextlib
 import ctypes
@@ -21,6 +27,7 @@ import itertools
 import math
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
@@ -137,6 +144,9 @@ def gemm_views(a, b, c, trans_a=False, trans_b=False, beta=0.0):
         else:
             c += r
         return
+    if (m * n * k >= SPLIT_MIN_MACS and not getattr(_PART, "running", False)
+            and cores_contended() and _gemm_parts(a, b, c, trans_a, trans_b, beta)):
+        return
     fn, scalar, ci = entry
     # Row-major C = A B is column-major C^T = B^T A^T.
     fn(_TRANS[trans_b], _TRANS[trans_a],
@@ -146,6 +156,28 @@ def gemm_views(a, b, c, trans_a=False, trans_b=False, beta=0.0):
        ctypes.c_void_p(a.ctypes.data), ctypes.byref(ci(lda)),
        ctypes.byref(scalar(beta)),
        ctypes.c_void_p(c.ctypes.data), ctypes.byref(ci(ldc)))
+
+
+def _gemm_parts(a, b, c, trans_a, trans_b, beta):
+    """gemm_views cut along the longer side of c into parts of at least 64 rows or columns,
+    run by `run_parts`; False (nothing done) when it would not make two parts."""
+    workers = blas_threads()
+    m, n = c.shape
+    size = max(m, n)
+    count = min(PARTS_PER_THREAD * workers, size // 64)
+    if workers < 2 or count < 2:
+        return False
+    edges = [size * i // count // 16 * 16 for i in range(count)] + [size]
+    if n >= m:
+        def part(r):
+            gemm_views(a, b[r[0]:r[1]] if trans_b else b[:, r[0]:r[1]], c[:, r[0]:r[1]],
+                       trans_a, trans_b, beta)
+    else:
+        def part(r):
+            gemm_views(a[:, r[0]:r[1]] if trans_a else a[r[0]:r[1]], b, c[r[0]:r[1]],
+                       trans_a, trans_b, beta)
+    run_parts(part, list(zip(edges, edges[1:])), workers)
+    return True
 
 
 def gemm(a, b, out, beta=0.0):
@@ -199,6 +231,46 @@ def single_threaded_blas():
                 put(_saved_threads)
 
 
+#: GEMMs of at least this many multiply-adds are split into parts on contended cores, ...
+SPLIT_MIN_MACS = 1 << 22
+#: ... this many per thread, so a thread that runs more often takes more of them.
+PARTS_PER_THREAD = 4
+#: The cores count as contended while the main thread waits for one at least this share of
+#: the time (on a quiet machine it waits well under 1%).
+CONTENDED_WAIT = 0.2
+
+
+class Contention:
+    """Whether other runnable threads keep this process off the cores: the share of wall time
+    the process's main thread spent runnable but waiting for a core (the kernel's schedstat),
+    over the last `period` seconds. Read at most once a period, so asking costs nothing.
+    CAFFEPAR_CONTENDED=1 or 0 forces the answer."""
+
+    def __init__(self, path="/proc/self/schedstat", period=0.25):
+        self.path, self.period = path, period
+        self.at = self.waited = None
+        self.busy = False
+        forced = os.environ.get("CAFFEPAR_CONTENDED", "")
+        self.forced = bool(int(forced)) if forced in ("0", "1") else None
+
+    def __call__(self, now=None):
+        if self.forced is not None:
+            return self.forced
+        now = time.monotonic() if now is None else now
+        if self.at is not None and now - self.at < self.period:
+            return self.busy
+        try:
+            with open(self.path, "rb") as f:
+                waited = int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if self.at is not None:
+            self.busy = waited - self.waited >= CONTENDED_WAIT * (now - self.at) * 1e9
+        self.at, self.waited = now, waited
+        return self.busy
+
+
+cores_contended = Contention()
 _WORKERS = []
 _PART = threading.local()       # .running: this thread is inside a part
 if hasattr(os, "register_at_fork"):
