@@ -29,6 +29,9 @@ from caffepar.nn.conv.geometry import flipped_weights
 
 #: Parts per thread the work is cut in (a thread slowed by other load takes fewer).
 PARTS_PER_THREAD = 4
+#: dw runs over images enough for this many output pixels at a time (on small images a tile of
+#: taps set up for one image's pixels alone spends a fifth of its time setting up).
+DW_PIXELS = 256
 
 
 def applicable(g, dtype):
@@ -129,13 +132,14 @@ class _Layout:
 
     def weight_gradient_nchw(self, out, x, dy, i, m, g, ci0, channels, co0, och, buf):
         """out (C, KH, KW, CP) += the weight gradient of images i .. i + m (channels ci0 ..
-        of x, co0 .. of dy), image by image through one image's buffers."""
+        of x, co0 .. of dy), a few images at a time through buffers for as many
+        (`dw_group`)."""
         _, c_in, h, w = x.shape
         _, c_out, ho, wo = dy.shape
         self.k.conv_direct_dw_nchw(
             self.image(x, i), native.ptr(buf["x"]), self.image(dy, i), native.ptr(buf["dyl"]),
-            native.ptr(out), m, c_in, ci0, channels, h, w, *g.pad, buf["dyl"].shape[-1],
-            *g.kernel, ho, wo, *g.stride, *g.dilation, c_out, co0, och)
+            native.ptr(out), m, len(buf["x"]), c_in, ci0, channels, h, w, *g.pad,
+            buf["dyl"].shape[-1], *g.kernel, ho, wo, *g.stride, *g.dilation, c_out, co0, och)
 
     def weight_gradient(self, out, xp, dyl, i, m, g, c0, c1):
         """out (C, KH, KW, CP) += input channels c0 .. c1 of the weight gradient of images
@@ -163,6 +167,11 @@ def _inside(pad, extent, step):
     values `step` apart after `pad` zeros: where it is not zero padding."""
     (ph, pw), (h, w), (sh, sw) = pad, extent, step
     return ph, ph + (h - 1) * sh + 1, pw, pw + (w - 1) * sw + 1
+
+
+def dw_group(g, n):
+    """Images per step of the weight gradient: enough for DW_PIXELS output pixels."""
+    return max(1, min(n, -(-DW_PIXELS // (g.out[0] * g.out[1]))))
 
 
 def _buffers(shapes, dt, n=None):
@@ -212,6 +221,7 @@ def backward(g, dy, x, w, dx, group, need_dw, dt):
               "dyp": (n, og) + spread, "dxl": (n,) + g.in_sp + (_lanes(cg, dt),)}
     dx_shapes = {"x": shapes["dyp"], "y": shapes["dxl"]}   # dx as the forward kernel on dy
     dy_inside = _inside(_dx_pad(g), g.out, g.stride)
+    dw_shapes = {"x": shapes["x"], "dyl": shapes["dyl"]}
     for gi in range(group):
         wt = lay.weights(wf[gi * cg:(gi + 1) * cg]) if dx is not None else None
         if _by_images(n):
@@ -223,7 +233,7 @@ def backward(g, dy, x, w, dx, group, need_dw, dt):
                 if need_dw:
                     lay.weight_gradient_nchw(sums[[r[0] for r in runs].index(i)], x, dy, i, m,
                                              g, gi * cg, cg, gi * og, og,
-                                             _buffers(shapes, dt, 1))
+                                             _buffers(dw_shapes, dt, dw_group(g, m)))
                 if dx is not None and g.stride == (1, 1):
                     lay.forward_nchw(dy, wt, dx, None, i, m, gt, _dx_pad(g), gi * og, og,
                                      gi * cg, cg, _buffers(dx_shapes, dt, 1))

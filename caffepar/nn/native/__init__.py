@@ -73,7 +73,7 @@ SIGNATURES = {
     "conv_direct_forward": "ppp" + "i" * 19,
     "conv_direct_dw": "ppp" + "i" * 19,
     "conv_direct_forward_nchw": "pppppp" + "i" * 20,
-    "conv_direct_dw_nchw": "ppppp" + "i" * 20,
+    "conv_direct_dw_nchw": "ppppp" + "i" * 21,
     "conv_block": "",
 }
 
