@@ -11,7 +11,6 @@ instruction set (run it again with CAFFEPAR_CFLAGS=-march=haswell for AVX2 code)
 """
 import argparse
 import atexit
-import csv
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from cpuinfo import cpu_key, cpu_name, host_isa  # noqa: E402
+from tables import write_tables  # noqa: E402
 
 # name: (channels in, input size, channels out, kernel, stride, pad, batch, dx needed)
 SHAPES = {"cifar10_quick conv1": (3, 32, 32, 5, 1, 2, 100, False),
@@ -121,13 +121,7 @@ def main():
     lines += [f"| {r['shape']} | {r['revision']} | {r['forward_ms']:.2f} | "
               f"{r['backward_ms']:.2f} | {r['vs_first']:.2f} |" for r in rows]
     print("\n".join(lines))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()})
+    write_tables(out, lines, rows)
 
 
 if __name__ == "__main__":

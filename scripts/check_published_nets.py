@@ -224,12 +224,8 @@ def main():
 
 def _write_csv(out, rows):
     """OUT.csv with `rows`, replaced in one step (a run cut short leaves the last whole file)."""
-    tmp = out.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, out.with_suffix(".csv"))
+    from tables import write_csv
+    write_csv(out.with_suffix(".csv"), rows, FIELDS)
 
 
 def _cell(row, command):

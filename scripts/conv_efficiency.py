@@ -11,7 +11,6 @@ tap means the code skips the padding. Writes results/conv_efficiency_<cpu>[_<isa
     python scripts/conv_efficiency.py [--rounds 40] [--out PATH]
 """
 import argparse
-import csv
 import os
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import caffepar  # noqa: E402,F401  (sets BLAS threading up before NumPy loads i
 import numpy as np  # noqa: E402
 from cpuinfo import cpu_key, cpu_name, host_isa  # noqa: E402
 from figures import pyplot  # noqa: E402
+from tables import write_tables  # noqa: E402
 
 # name: (batch, channels in, size, channels out, kernel, pad, dx needed in training)
 SHAPES = {"conv1": (100, 3, 32, 32, 5, 2, False), "conv2": (100, 32, 16, 32, 5, 2, True),
@@ -194,14 +194,7 @@ def main():
               f"{r['gflops_every_tap']:.0f} | {r['gflops_inside']:.0f} | "
               f"{r['share_of_peak_inside']:.0%} |" for r in rows]
     print("\n".join(lines))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({key: (f"{v:.4f}" if isinstance(v, float) else v)
-                             for key, v in r.items()})
+    write_tables(out, lines, rows, digits=4)
     plt = pyplot()
     if plt is None:
         return

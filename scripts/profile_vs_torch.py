@@ -16,7 +16,6 @@ per-op profile (torch.profiler, self CPU time, over whole training steps) is lis
 names the oneDNN primitives the layers ran.
 """
 import argparse
-import csv
 import os
 import sys
 import time
@@ -282,14 +281,8 @@ def report(rows, ops, primitives, info):
 
 
 def write(out, rows, lines):
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fields = list(rows[0])
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()})
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    from tables import write_tables
+    write_tables(out, lines, rows)
     from figures import pyplot
     plt = pyplot()
     if plt is None:
