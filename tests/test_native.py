@@ -199,6 +199,35 @@ def test_lrn_equals_numpy(size, beta, channels, dtype, compiled):
 
 @pytest.mark.parametrize("slope", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_relu_forward_equals_numpy(slope, dtype, in_place, compiled):
+    """Caffe's max(x, 0) + slope * min(x, 0), NaN and infinities included, over runs side by
+    side (a size no run count divides); -0 stays -0, as Caffe's std::max keeps the first of
+    equal arguments (NumPy's maximum gives +0)."""
+    from caffepar.nn.neuron import ReLULayer
+    from caffepar.proto import caffe_pb2
+    param = caffe_pb2.LayerParameter(name="relu", type="ReLU")
+    param.relu_param.negative_slope = slope
+    x = np.random.default_rng(5).standard_normal(700_003).astype(dtype)
+    x[:5] = [0, -0.0, np.nan, np.inf, -5]
+
+    def run():
+        layer = ReLULayer(param, dtype=dtype)
+        layer.neuron_setup(None, None)
+        bottom = _blob(x)
+        top = bottom if in_place else _blob(np.full_like(x, 7))
+        layer.forward([bottom], [top])
+        return top.data.copy()
+
+    numpy_y, native_y = both(run)
+    same(numpy_y, native_y)
+    assert np.signbit(native_y[1])
+    slope = dtype(np.float32(slope))     # negative_slope is a float field
+    np.testing.assert_array_equal(native_y, np.maximum(x, 0) + slope * np.minimum(x, 0))
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_relu_backward_equals_numpy(slope, dtype, compiled):
     from caffepar.nn.neuron import ReLULayer
     from caffepar.proto import caffe_pb2

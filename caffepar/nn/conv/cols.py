@@ -269,7 +269,7 @@ def backward(g, dy, x, w, dx, group, need_dw, need_db, dt):
         if need_dw:
             db = np.ascontiguousarray(dwa[:, :, -1]).reshape(o)
         else:
-            db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=dt)
+            db = geometry.bias_diff(dy, dt)
     return dw, db
 
 

@@ -7,7 +7,7 @@ import numpy as np
 from caffepar.nn import calibrate
 from caffepar.nn.blas import blas_threads
 from caffepar.nn.conv import band, cols, direct, grid, pointwise, winograd
-from caffepar.nn.conv.geometry import expand, flipped_geom, flipped_weights, geom
+from caffepar.nn.conv.geometry import bias_diff, expand, flipped_geom, flipped_weights, geom
 
 def rule_engine(g, cg, og, group):
     """The engine fixed thresholds give a shape (without measuring)."""
@@ -221,14 +221,14 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
             dx.fill(0)
     if whole and engine == "direct":
         dw = direct.backward(g, dy, x, w, dx, group, need_dw, dt)
-        db = dy.sum(axis=(0, 2, 3), dtype=dt) if need_db else None
+        db = bias_diff(dy, dt) if need_db else None
     elif whole:
         dw = winograd.backward(dy, x, w, dx, g.pad, group, need_dw, dt)
-        db = dy.sum(axis=(0, 2, 3), dtype=dt) if need_db else None
+        db = bias_diff(dy, dt) if need_db else None
     elif use_cols:
         dw, db = _cols_backward(g, engine, dy, x, w, dx, group, need_dw, need_db, dt)
     else:
-        db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=dt) if need_db else None
+        db = bias_diff(dy, dt) if need_db else None
         dw = None
         if n == 0:
             dw = np.zeros(w.shape, dt) if need_dw else None
@@ -261,7 +261,7 @@ def _cols_backward(g, engine, dy, x, w, dx, group, need_dw, need_db, dt):
     if need_dw:
         dw, db = band.backward(g, dy, x, w, need_db, dt)
     elif need_db:
-        db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=dt)
+        db = bias_diff(dy, dt)
     if need_dx and gt is None:
         cols.backward(g, dy, x, w, dx, group, False, False, dt)
     return dw, db
@@ -311,7 +311,7 @@ def deconv_backward(dy, x, w, stride, pad, dilation, group,
     dy = dy.astype(dt, copy=False)
     x = x.astype(dt, copy=False)
     w = w.astype(dt, copy=False)
-    db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=dt) if need_db else None
+    db = bias_diff(dy, dt) if need_db else None
     dx = conv_forward(dy, w, None, stride, pad, dilation, group, out=dx_out) \
         if need_dx else None
     dw = None

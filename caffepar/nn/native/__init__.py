@@ -54,6 +54,7 @@ SIGNATURES = {
     "solver_update": "ppppiiddidddd",
     "lrn_forward": "ppppp" + "iiii" + "ddd",
     "lrn_backward": "ppppppp" + "iiii" + "d",
+    "relu_forward": "ppid",
     "relu_backward": "pppid",
     "dropout_forward": "ppppiddi",
     "dropout_backward": "pppidi",
