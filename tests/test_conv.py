@@ -562,6 +562,13 @@ def test_engine_measured_once_and_cached(tmp_path, monkeypatch, kernel_path):
 DIRECT_CASES = [cs for cs in CASES if len(cs[2]) == 2] + [
     case(17, 5, (6, 7), 10, 3, 1, 1),              # a second, partly filled lane block
     case(3, 8, (5, 9), 12, (3, 5), 1, (1, 2), (2, 1), 2),
+    # Few input channels, rows of whole vectors: the rows kernels (partial channel blocks,
+    # dilation, groups, a kernel row wider than a weight-gradient tile, rows all padding).
+    case(3, 3, (5, 16), 10, 3, 1, 1),
+    case(2, 4, (6, 32), 7, (3, 5), 1, (1, 2), (2, 1)),
+    case(2, 6, (4, 16), 10, 3, 1, 1, 1, 2),
+    case(2, 1, (8, 16), 12, 7, 1, 3),
+    case(2, 2, (3, 16), 3, 3, 1, (2, 1)),
 ]
 
 

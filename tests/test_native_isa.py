@@ -12,6 +12,7 @@ import pytest
 from caffepar.nn import native
 
 HOT = ("conv_direct_forward", "conv_direct_dw", "conv_to_lanes", "conv_from_lanes",
+       "conv_rows_forward", "conv_rows_dw",
        "max_pool_forward", "max_pool_backward", "ave_pool_forward", "ave_pool_backward",
        "ip_forward", "ipw_forward", "ipw_backward_data", "ipw_backward_weights", "lrn_forward",
        "lrn_backward", "wino_input", "wino_output", "wino_output_adjoint")

@@ -32,6 +32,11 @@ PARTS_PER_THREAD = 4
 #: dw runs over images enough for this many output pixels at a time (on small images a tile of
 #: taps set up for one image's pixels alone spends a fifth of its time setting up).
 DW_PIXELS = 256
+#: Stride-1 layers with at most this many input channels per group (an RGB or grey input),
+#: and output rows of whole vectors, run forward and dw on the rows kernels
+#: (caffepar/nn/native/conv_rows.inc): pixels in the lanes, no transposes, which on such a
+#: layer cost a third as much as its multiply-adds.
+ROWS_MAX_CHANNELS = 4
 
 
 def applicable(g, dtype):
@@ -150,6 +155,41 @@ class _Layout:
                               wp, cp, *g.kernel, ho, wo, *g.stride, *g.dilation,
                               *_inside(g.pad, g.in_sp, (1, 1)), c0, c1)
 
+    def rows(self, g, cg):
+        """Whether a layer with cg input channels per group takes the rows kernels."""
+        vl = self.k.vector_bytes // self.isz
+        return g.stride == (1, 1) and cg <= ROWS_MAX_CHANNELS and g.out[1] % vl == 0
+
+    def rows_forward(self, x, wt, y, bias, i, m, g, ci0, channels, co0, och, xp):
+        """y[i:i + m] channels co0 .. co0 + och (+ bias) = the rows kernel over channels
+        ci0 .. of x[i:i + m], each image padded into xp."""
+        _, c_in, h, w = x.shape
+        _, c_out, ho, wo = y.shape
+        self.k.conv_rows_forward(
+            self.image(x, i), native.ptr(xp), native.ptr(wt),
+            None if bias is None else native.ptr(bias), self.image(y, i), m, c_in, ci0,
+            channels, h, w, *g.pad, *g.kernel, *g.dilation, ho, wo, c_out, co0, och,
+            wt.shape[-1])
+
+    def rows_weight_gradient(self, out, x, dy, i, m, g, ci0, channels, co0, och, xp):
+        """out (C, KH, KW, OP, VL) += the rows kernel's weight gradient of images i .. i + m,
+        lane by lane."""
+        _, c_in, h, w = x.shape
+        _, c_out, ho, wo = dy.shape
+        self.k.conv_rows_dw(
+            self.image(x, i), native.ptr(xp), self.image(dy, i), native.ptr(out), m, c_in,
+            ci0, channels, h, w, *g.pad, *g.kernel, *g.dilation, ho, wo, c_out, co0, och,
+            out.shape[-2])
+
+    def rows_weights(self, w):
+        """(O, C, KH, KW) -> (C, KH, KW, OP): the rows kernel's weights, each tap's output
+        channels contiguous, zero-padded to whole blocks."""
+        o = w.shape[0]
+        block = self.k.conv_rows_block()
+        wt = np.zeros(w.shape[1:] + (-(-o // block) * block,), self.dt)
+        wt[..., :o] = np.moveaxis(w, 0, -1)
+        return wt
+
     def weights(self, w):
         """(O, C, KH, KW) -> (OP / B, C, KH, KW, B): blocks of B output channels (the forward
         kernel's register tile: 2 vectors of the width the kernels are built for),
@@ -187,6 +227,14 @@ def forward(g, x, w, bias, y, group, dt):
     og = o // group
     hp, wp = (i + 2 * p for i, p in zip(g.in_sp, g.pad))
     shapes = {"x": (n, cg, hp, wp), "y": (n,) + g.out + (_lanes(og, dt),)}
+    if lay.rows(g, cg):
+        for gi in range(group):
+            wt = lay.rows_weights(w[gi * og:(gi + 1) * og])
+            b = None if bias is None else np.ascontiguousarray(bias[gi * og:(gi + 1) * og])
+            _run(lambda i, m, _a, _b: lay.rows_forward(
+                x, wt, y, b, i, m, g, gi * cg, cg, gi * og, og,
+                scratch("direct_x", (1, cg, hp, wp), dt)), _parts(n, 1))
+        return
     for gi in range(group):
         wt = lay.weights(w[gi * og:(gi + 1) * og])
         b = None if bias is None else np.ascontiguousarray(bias[gi * og:(gi + 1) * og])
@@ -209,6 +257,38 @@ def forward(g, x, w, bias, y, group, dt):
 def backward(g, dy, x, w, dx, group, need_dw, dt):
     """dw (or None), and dx written in full when dx is given."""
     lay = _Layout(dt)
+    if need_dw and lay.rows(g, w.shape[1]):
+        dw = _rows_weight_gradient(lay, g, dy, x, w, group, dt)
+        if dx is not None:
+            _lanes_backward(lay, g, dy, x, w, dx, group, False, dt)
+        return dw
+    return _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, dt)
+
+
+def _rows_weight_gradient(lay, g, dy, x, w, group, dt):
+    """dw on the rows kernels: each run of images sums its own lanes, the runs' sums added in
+    order, then the lanes."""
+    n = dy.shape[0]
+    o, cg = w.shape[:2]
+    og = o // group
+    hp, wp = (i + 2 * p for i, p in zip(g.in_sp, g.pad))
+    vl = lay.k.vector_bytes // lay.isz
+    runs = _parts(n, 1, geometry.SUM_PARTS)
+    starts = [r[0] for r in runs]
+    dw = np.empty(w.shape, dt)
+    for gi in range(group):
+        sums = np.zeros((len(runs), cg) + g.kernel + (og, vl), dt)
+        _run(lambda i, m, _a, _b: lay.rows_weight_gradient(
+            sums[starts.index(i)], x, dy, i, m, g, gi * cg, cg, gi * og, og,
+            scratch("direct_x", (1, cg, hp, wp), dt)), runs)
+        total = sums[0]
+        for part in sums[1:]:
+            total += part
+        dw[gi * og:(gi + 1) * og] = np.moveaxis(total.sum(axis=-1), -1, 0)
+    return dw
+
+
+def _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, dt):
     n = dy.shape[0]
     o, cg = w.shape[:2]
     og = o // group

@@ -75,6 +75,7 @@ i64 native_regs(void) { return NATIVE_REGS; }
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 #include "conv.inc"
+#include "conv_rows.inc"
 #include "inner_product.inc"
 #pragma GCC pop_options
 #undef T
@@ -99,6 +100,7 @@ i64 native_regs(void) { return NATIVE_REGS; }
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 #include "conv.inc"
+#include "conv_rows.inc"
 #include "inner_product.inc"
 #pragma GCC pop_options
 #undef T
