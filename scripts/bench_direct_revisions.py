@@ -30,6 +30,7 @@ SHAPES = {"cifar10_quick conv1": (3, 32, 32, 5, 1, 2, 100, False),
           "cifar10_quick conv2": (32, 16, 32, 5, 1, 2, 100, True),
           "cifar10_quick conv3": (32, 8, 64, 5, 1, 2, 100, True),
           "alexnet conv1": (3, 227, 96, 11, 4, 0, 16, False),
+          "vgg16 conv1_1": (3, 224, 64, 3, 1, 1, 4, False),
           "vgg16 conv3_1": (128, 56, 256, 3, 1, 1, 4, True)}
 
 TIMER = r"""
