@@ -66,6 +66,38 @@ class OursLayers:
         self.net.backward_layer(self.index[j])
 
 
+def conv_flops(net):
+    """The FLOPs (2 per multiply-add) of each Convolution layer's training passes -- forward,
+    dw, and dx where its bottom needs a gradient -- counting only the taps that read inside
+    the image (a tap reading only zero padding is work a kernel can skip)."""
+    flops = {}
+    for i, layer in enumerate(net.layers):
+        if layer.type != "Convolution":
+            continue
+        x = net.blob_list[net.bottom_ids[i][0]].shape
+        out = net.blob_list[net.top_ids[i][0]].shape[2:]
+        inside = 1
+        for size, o, k, s, p, d in zip(x[2:], out, layer.kernel, layer.stride, layer.pad,
+                                       layer.dilation):
+            inside *= sum(1 for j in range(o) for t in range(k) if 0 <= j * s - p + t * d < size)
+        passes = 3 if (layer.bottom_need_diff or [True])[0] else 2
+        flops[net._layer_names[i]] = (2 * x[0] * layer.num_output * (x[1] // layer.group)
+                                      * inside * passes)
+    return flops
+
+
+def goal_needs(rows, flops, peak, step_ours, step_torch, goal=0.85):
+    """What a step of `goal` x PyTorch's asks of the convolutions: (their time at the FMA peak,
+    PyTorch's and ours as measured, the time left to them when the rest of our step stays as
+    measured), in ms."""
+    conv = [r for r in rows if r["layer"] in flops]
+    floor = sum(flops.values()) / (peak * 1e9) * 1e3
+    ours = sum(r["caffepar_fwd_ms"] + r["caffepar_bwd_ms"] for r in conv)
+    theirs = sum(r["pytorch_fwd_ms"] + r["pytorch_bwd_ms"] for r in conv)
+    return dict(goal=goal, peak=peak, floor=floor, ours=ours, theirs=theirs,
+                rest=step_ours - ours, left=goal * step_torch - (step_ours - ours))
+
+
 class TorchLayers:
     """The PyTorch model's modules run one by one (in-place ReLU made out of place: a layer's
     input is a fresh leaf), the loss as the last layer; Flatten joins the layer after it."""
@@ -214,7 +246,11 @@ def main():
     for r in rows:
         r["gap_share_pct"] = 100 * r["gap_ms"] / gap if gap else np.nan
 
-    info = dict(net=args.net, batch=batch, threads=threads, started=started,
+    from conv_efficiency import fma_peak
+    needs = goal_needs(rows, conv_flops(ours.net),
+                       fma_peak(k.vector_bytes if k is not None else 32, threads),
+                       step_ours * 1e3, step_torch * 1e3)
+    info = dict(net=args.net, batch=batch, threads=threads, started=started, needs=needs,
                 load=(load_start, load_end), step=(step_ours * 1e3, step_torch * 1e3),
                 update=update_ours * 1e3, sums=(sum_o, sum_t), build=build,
                 kernels=(f"{build} ({k.vector_bytes}-byte vectors, {k.registers} registers)"
@@ -262,6 +298,18 @@ def report(rows, ops, primitives, info):
                      f"{r['pytorch_fwd_ms']:.2f} | {r['caffepar_bwd_ms']:.2f} | "
                      f"{r['pytorch_bwd_ms']:.2f} | {r['gap_ms']:+.2f} | "
                      f"{r['gap_share_pct']:.0f}% |")
+    nd = info["needs"]
+    pct = lambda ms: 100 * nd["floor"] / ms if ms > 0 else float("inf")
+    lines += ["", f"What a step of {nd['goal']}x PyTorch's asks of the convolutions: at this "
+              f"CPU's FMA peak ({nd['peak']:.0f} GFLOP/s, measured as scripts/conv_efficiency.py "
+              f"does), counting only the taps that read inside the image, their passes would "
+              f"take {nd['floor']:.1f} ms. PyTorch's took {nd['theirs']:.1f} ms "
+              f"({pct(nd['theirs']):.0f}% of that peak), ours {nd['ours']:.1f} ms "
+              f"({pct(nd['ours']):.0f}%). With the rest of caffepar's step as measured "
+              f"({nd['rest']:.1f} ms), a step of {nd['goal'] * step_t:.1f} ms leaves the "
+              f"convolutions {nd['left']:.1f} ms: "
+              + (f"**{pct(nd['left']):.0f}% of peak**." if nd["left"] > 0 else
+                 "**none**.")]
     lines += ["", "PyTorch's own profile of whole training steps (torch.profiler, self CPU time "
                   "per step, top ops):", "", "| op | ms per step | calls per step | share |",
               "|---|---|---|---|"]
