@@ -16,6 +16,7 @@ HOT = ("conv_direct_forward", "conv_direct_dw", "conv_to_lanes", "conv_from_lane
        "max_pool_forward", "max_pool_backward", "ave_pool_forward", "ave_pool_backward",
        "ip_forward", "ipw_forward", "ipw_backward_data", "ipw_backward_weights", "lrn_forward",
        "lrn_backward", "wino_input", "wino_output", "wino_output_adjoint")
+TILED = ("conv_direct_forward", "conv_direct_dw")
 # Moves of one scalar, broadcasts and conversions: spilled loop counters and addresses, not tiles.
 SCALAR = re.compile(r"v?(mov[dq]|movs[sd]|p?broadcast\w*|movhp\w|movlp\w|pinsr\w|pextr\w|"
                     r"extractps|insertps|cvt\w*|u?comis[sd]|[a-z]+s[sd])\s")
@@ -85,7 +86,10 @@ def test_hot_kernels_keep_tiles_in_registers(objects, march):
         counts[name] = stack_references(found[f"{name}_f32"])
     # The previous 64-byte tiles on AVX2: 5160 in the forward kernel's innermost loops (9217
     # in all), 5768 in dw's; AVX-512's forward kernel had 604 outside its loops.
-    spilling = {name: c for name, c in counts.items() if c[0] > 16 or c[1] > 256}
+    # The direct convolution's tiles: none at all in their innermost loops (the AVX2 forward
+    # kernel had 8 before its weight vectors were held in registers).
+    spilling = {name: c for name, c in counts.items()
+                if c[0] > (0 if name in TILED else 16) or c[1] > 256}
     assert not spilling, f"stack vector references (innermost loops, all): {spilling}"
 
 
