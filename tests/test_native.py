@@ -86,7 +86,7 @@ def test_switch_and_fallback(tmp_path, monkeypatch, caplog):
 
 # ------------------------------------------------------------------ pooling
 
-POOLS = [  # n, c, h, w, kh, kw, ph, pw, sh, sw
+POOLS = [  # n, c, h, w, kh, kw, ph, pw, sh, sw[, ceil_mode]
     (100, 32, 32, 32, 3, 3, 0, 0, 2, 2),         # cifar10_quick pool1
     (2, 3, 7, 9, 3, 2, 1, 1, 2, 1),
     (2, 3, 8, 8, 2, 2, 0, 0, 2, 2),
@@ -95,19 +95,22 @@ POOLS = [  # n, c, h, w, kh, kw, ph, pw, sh, sw
     (1, 3, 6, 6, 3, 3, 2, 2, 2, 2),              # windows starting in the padding
     (1, 2, 13, 13, 13, 13, 0, 0, 1, 1),          # one window over the image
     (1, 1, 4, 30, 1, 12, 0, 0, 1, 1),            # 12-wide windows
+    (2, 3, 45, 61, 3, 3, 1, 1, 2, 2),            # odd pad and sizes: every vector width of the
+                                                 # stride-2 split and merge, then single cells
+    (2, 2, 9, 11, 2, 2, 0, 0, 2, 2, False),      # floor mode: cells no window reaches
 ]
 
 
 @pytest.mark.parametrize("shape", POOLS, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_pooling_equals_numpy(shape, dtype, compiled):
-    n, c, h, w, kh, kw, ph, pw, sh, sw = shape
+    n, c, h, w, kh, kw, ph, pw, sh, sw = shape[:10]
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, c, h, w)).astype(dtype)
     x[0, 0, :2, :3] = -np.inf                       # windows with no winner (Caffe index -1)
     x[0, -1, 1, 1] = np.nan
     x.reshape(-1)[::7] = x.reshape(-1)[::7].round()  # ties
-    g = pooling.PoolGeometry(kh, kw, ph, pw, sh, sw)
+    g = pooling.PoolGeometry(kh, kw, ph, pw, sh, sw, *shape[10:])
     g.reshape(h, w)
     dy = rng.standard_normal((n, c, g.oh, g.ow)).astype(dtype)
 

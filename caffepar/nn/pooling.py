@@ -8,9 +8,10 @@ in cache. Cells a window reaches outside the image hold the fill value (-inf for
 AVE), set once when a block buffer is made. The blocks are independent, so they are spread over
 the process's cores (`run_parts`), each thread with its own block buffers.
 
-With the compiled kernels (`caffepar.nn.native`) each window is scanned in place instead, a run
-of planes per call, the runs side by side; they keep the NumPy code's winner layout and order of
-sums.
+With the compiled kernels (`caffepar.nn.native`) the same phase layout is made one plane at a
+time, so it stays in cache (stride-2 rows split by vector permutes, the cells outside the image
+filled once per call), a run of planes per call, the runs side by side; they keep the NumPy
+code's winner layout and order of sums.
 """
 import math
 import threading
