@@ -49,7 +49,11 @@ typedef int64_t i64;
 #define TILE_LOOP _Pragma("GCC unroll 32")
 /* v loaded into a register once, where the compiler would otherwise read it from memory again
  * for every multiply-add that uses it (a load each, which the load ports cannot keep up with). */
+#if defined(__x86_64__) || defined(__i386__)
 #define IN_REG(v) __asm__("" : "+v"(v))
+#else
+#define IN_REG(v) ((void)0)
+#endif
 /* A vector of VL copies of s: s - 0 is s for every s (0 + s would turn -0 into +0, an add
  * the compiler must keep). */
 #define BCAST(s) ((s) - (vec){})
