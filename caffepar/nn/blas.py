@@ -279,10 +279,14 @@ if hasattr(os, "register_at_fork"):
 
 
 def split_parts(items, count=None):
-    """items as `count` contiguous runs (at most one per item; default one per item)."""
-    items = list(items)
+    """items as `count` contiguous runs (at most one per item; default one per item), the
+    longer runs first: threads taking runs in turn then end together (100 in 8 runs as 13,
+    13, 13, 13, 12, ... gives two threads 50 each, where alternating 12s and 13s gave 48 and
+    52). A range comes back as ranges, without a list of every item."""
+    items = items if isinstance(items, range) else list(items)
     count = len(items) if count is None else max(1, min(count, len(items)))
-    bounds = [len(items) * i // count for i in range(count + 1)]
+    size, longer = divmod(len(items), count)
+    bounds = [i * size + min(i, longer) for i in range(count + 1)]
     return [items[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
