@@ -97,7 +97,7 @@ def test_split_parts():
     assert blas.split_parts(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
     assert blas.split_parts(range(3)) == [range(0, 1), range(1, 2), range(2, 3)]
     assert blas.split_parts(range(2), 5) == [range(0, 1), range(1, 2)]
-    assert blas.split_parts([], 4) == []
+    assert blas.split_parts([], 4) == blas.split_parts([]) == []
     assert [len(p) for p in blas.split_parts(range(100), 8)] == [13] * 4 + [12] * 4
 
 

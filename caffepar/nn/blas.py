@@ -284,7 +284,7 @@ def split_parts(items, count=None):
     13, 13, 13, 12, ... gives two threads 50 each, where alternating 12s and 13s gave 48 and
     52). A range comes back as ranges, without a list of every item."""
     items = items if isinstance(items, range) else list(items)
-    count = len(items) if count is None else max(1, min(count, len(items)))
+    count = max(1, len(items) if count is None else min(count, len(items)))
     size, longer = divmod(len(items), count)
     bounds = [i * size + min(i, longer) for i in range(count + 1)]
     return [items[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]

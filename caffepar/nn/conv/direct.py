@@ -20,6 +20,8 @@ flipped weights. Work is cut in parts (runs of images x output
 rows, or x input channels for dw) run side by side with ``run_parts``; each run of images sums
 its own dw, and the runs' sums are added in order (``geometry.SUM_PARTS`` runs at most).
 """
+import functools
+
 import numpy as np
 
 from caffepar.nn import native
@@ -63,11 +65,17 @@ def _lanes(channels, dt):
 def _parts(n, items, most=None):
     """(first image, images, first item, end item) cutting n images x `items` (rows or
     channels) in about PARTS_PER_THREAD parts per thread (`most` image runs at most)."""
-    want = PARTS_PER_THREAD * blas_threads()
+    return _cut(n, items, most, PARTS_PER_THREAD * blas_threads())
+
+
+@functools.lru_cache(maxsize=256)
+def _cut(n, items, most, want):
+    """_parts, kept: a pass cuts the same shapes every iteration, and cutting took about as
+    long as the Python of a part."""
     runs = max(1, min(n, want if most is None else min(want, most)))
     pieces = max(1, min(items, -(-want // runs)))
-    return [(r[0], len(r), i[0], i[-1] + 1) for r in split_parts(range(n), runs)
-            for i in split_parts(range(items), pieces)]
+    return tuple((r[0], len(r), i[0], i[-1] + 1) for r in split_parts(range(n), runs)
+                 for i in split_parts(range(items), pieces))
 
 
 def _run(fn, parts):
