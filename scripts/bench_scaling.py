@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""What a second thread (or more) gives cifar10_quick's training: each pass of the direct
+convolution engine at conv1-3 (forward, dx where the net needs it, dw, timed alone as
+bench_direct_revisions.py times them) and the whole training step (bench_train.py's solver
+step), on 1 thread and on N, at one or more git revisions; each revision and thread count in a
+process of its own, in alternating rounds, the fastest counting. Writes
+results/scaling_<cpu>[_<isa>].{md,csv}.
+
+    python scripts/bench_scaling.py [REV ...] [--threads 2] [--rounds 3] [--out PATH]
+
+Ideal is the 1-thread time / N; lost = the N-thread time - ideal: the time threads spend
+waiting (for the caller's serial work, for one another at the end of a pass, to be woken).
+"""
+import argparse
+import atexit
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from cpuinfo import cpu_key, cpu_name, host_isa  # noqa: E402
+from tables import write_tables  # noqa: E402
+
+# name: (channels in, input size, channels out, kernel, stride, pad, batch, dx needed)
+SHAPES = {"conv1": (3, 32, 32, 5, 1, 2, 100, False),
+          "conv2": (32, 16, 32, 5, 1, 2, 100, True),
+          "conv3": (32, 8, 64, 5, 1, 2, 100, True)}
+
+TIMER = r"""
+import json, sys, time
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/scripts"]
+import caffepar  # noqa: F401
+import numpy as np
+from caffepar.nn import native
+from caffepar.nn.conv import direct
+from caffepar.nn.conv.geometry import geom
+from bench_train import caffepar_step
+dt = np.dtype(np.float32)
+out = {"vector_bytes": native.kernels(dt).vector_bytes}
+
+def best(fn, least=0.3):
+    fn()
+    times = []
+    while len(times) < 5 or sum(times) < least:
+        t0 = time.perf_counter(); fn(); times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+for name, (c, h, o, k, s, p, n, need_dx) in json.loads(sys.argv[2]).items():
+    g = geom((h, h), (k, k), (s, s), (p, p), (1, 1))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, c, h, h), dtype=np.float32)
+    w = rng.standard_normal((o, c, k, k), dtype=np.float32)
+    y = np.empty((n, o) + g.out, np.float32)
+    dx = np.empty_like(x) if need_dx else None
+    out[name + " forward"] = best(lambda: direct.forward(g, x, w, None, y, 1, dt))
+    if need_dx:
+        out[name + " dx"] = best(lambda: direct.backward(g, y, x, w, dx, 1, False, dt))
+    out[name + " dw"] = best(lambda: direct.backward(g, y, x, w, None, 1, True, dt))
+step = caffepar_step("cifar10_quick", 100)[0]
+out["training step"] = best(step, 1.0)
+print(json.dumps(out))
+"""
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("revisions", nargs="*", default=["HEAD"])
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2,
+                    help="the thread count compared with 1 (default: the cores)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    load_start = os.getloadavg()[0]
+    started = time.strftime("%Y-%m-%d %H:%M")
+    work = Path(tempfile.mkdtemp(prefix="caffepar-scaling-"))
+    atexit.register(shutil.rmtree, work, True)
+    trees = {}
+    for rev in args.revisions:
+        tree = work / rev.replace("/", "_")
+        tree.mkdir()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "caffepar", "scripts",
+                                  "models/cifar10_quick"], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        trees[rev] = tree
+    counts = (1, args.threads)
+    best = {}
+    vector_bytes = None
+    for round_ in range(args.rounds + 1):       # the first round builds kernels and engines
+        for rev, tree in trees.items():
+            for threads in counts:
+                env = dict(os.environ, **{v: str(threads) for v in
+                                          ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")})
+                got = json.loads(subprocess.run(
+                    [sys.executable, "-c", TIMER, str(tree), json.dumps(SHAPES)],
+                    capture_output=True, text=True, check=True, env=env).stdout)
+                vector_bytes = got.pop("vector_bytes")
+                if round_ == 0:
+                    continue
+                for item, ms in got.items():
+                    key = (rev, item, threads)
+                    best[key] = min(best.get(key, float("inf")), ms)
+    if args.rounds == 0:
+        return
+    load_end = os.getloadavg()[0]
+    isa = {64: "AVX-512", 32: "AVX2", 16: "SSE"}.get(vector_bytes, f"{vector_bytes}-byte")
+    suffix = "" if isa == host_isa() else "_" + isa.lower().replace("-", "")
+    out = Path(args.out) if args.out else ROOT / f"results/scaling_{cpu_key()}{suffix}"
+    n = args.threads
+    items = [item for (rev, item, threads) in best if rev == args.revisions[0] and threads == 1]
+    rows = []
+    for item in items:
+        for rev in args.revisions:
+            one, many = best[(rev, item, 1)], best[(rev, item, n)]
+            rows.append({"item": item, "revision": rev, "threads": n, "ms_1": one, "ms_n": many,
+                         "ideal_ms": one / n, "lost_ms": many - one / n,
+                         "scaling": one / (n * many)})
+    lines = [f"# cifar10_quick on 1 and {n} threads", "",
+             f"Written by `python scripts/bench_scaling.py {' '.join(args.revisions)} --threads {n}"
+             f" --rounds {args.rounds}` ({started}, alternating rounds, fastest counts). CPU: "
+             f"{cpu_name()}; kernels built for {isa}"
+             + (f" (CAFFEPAR_CFLAGS={os.environ['CAFFEPAR_CFLAGS']})"
+                if os.environ.get("CAFFEPAR_CFLAGS") else "")
+             + f". Load average (1 min) {load_start:.2f} at the start, {load_end:.2f} at the end.",
+             "",
+             "The direct engine's passes at cifar10_quick's convolutions (batch 100), each timed "
+             "alone, and the training step (forward, backward, SGD update), ms. Ideal = the "
+             f"1-thread time / {n}; lost = the {n}-thread time - ideal; scaling = ideal / the "
+             f"{n}-thread time.", "",
+             f"| item | revision | 1 thread | {n} threads | ideal | lost | scaling |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['item']} | {r['revision']} | {r['ms_1']:.2f} | {r['ms_n']:.2f} | "
+              f"{r['ideal_ms']:.2f} | {r['lost_ms']:.2f} | {100 * r['scaling']:.1f}% |"
+              for r in rows]
+    print("\n".join(lines))
+    write_tables(out, lines, rows)
+
+
+if __name__ == "__main__":
+    main()
