@@ -28,7 +28,7 @@ import math
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -330,7 +330,8 @@ def run_parts(fn, parts, workers=None):
         try:
             drain()
         finally:
-            wait(futures)
+            for f in futures:
+                f.exception()   # waits for it, without the waiter objects of wait()
     for f in futures:
         f.result()
     return results
