@@ -91,13 +91,16 @@ POOLS = [  # n, c, h, w, kh, kw, ph, pw, sh, sw[, ceil_mode]
     (2, 3, 7, 9, 3, 2, 1, 1, 2, 1),
     (2, 3, 8, 8, 2, 2, 0, 0, 2, 2),
     (1, 2, 5, 5, 3, 3, 1, 1, 1, 1),
-    (2, 2, 10, 11, 2, 3, 0, 1, 3, 4),            # stride > kernel: unread cells
+    (2, 9, 10, 11, 2, 3, 0, 1, 3, 4),            # stride > kernel: unread cells
     (1, 3, 6, 6, 3, 3, 2, 2, 2, 2),              # windows starting in the padding
     (1, 2, 13, 13, 13, 13, 0, 0, 1, 1),          # one window over the image
     (1, 1, 4, 30, 1, 12, 0, 0, 1, 1),            # 12-wide windows
     (2, 3, 45, 61, 3, 3, 1, 1, 2, 2),            # odd pad and sizes: every vector width of the
                                                  # stride-2 split and merge, then single cells
     (2, 2, 9, 11, 2, 2, 0, 0, 2, 2, False),      # floor mode: cells no window reaches
+    (4, 36, 8, 8, 3, 3, 0, 0, 2, 2),             # small planes (cifar10_quick pool3's), AVE
+                                                 # with planes in the lanes, then single planes
+    (4, 36, 7, 5, 3, 3, 1, 1, 2, 2),             # ... with a part vector of cells
 ]
 
 

@@ -73,6 +73,7 @@ i64 native_regs(void) { return NATIVE_REGS; }
 #define SQRT sqrtf
 #define POW powf
 #define SUFFIX f32
+#include "lanes.inc"
 #include "pool.inc"
 #include "update.inc"
 #include "lrn.inc"
@@ -98,6 +99,7 @@ i64 native_regs(void) { return NATIVE_REGS; }
 #define SQRT sqrt
 #define POW pow
 #define SUFFIX f64
+#include "lanes.inc"
 #include "pool.inc"
 #include "update.inc"
 #include "lrn.inc"
