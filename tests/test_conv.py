@@ -598,6 +598,19 @@ def test_direct_engine(cs, dtype, tol, by_images, kernel_path, monkeypatch):
     close(yd, ref_deconv(dy, w, None, *args), tol)
 
 
+def test_direct_parts_end_together(monkeypatch):
+    """The direct engine's runs of images cover the batch once, in order, the longer runs
+    first: two threads taking 100 images' 8 runs in turn get 50 each."""
+    monkeypatch.setattr(direct, "blas_threads", lambda: 2)
+    monkeypatch.setattr(direct, "PARTS_PER_THREAD", 4)
+    parts = direct._parts(100, 1)
+    assert [p[0] for p in parts] == list(itertools.accumulate([0] + [p[1] for p in parts]))[:-1]
+    assert sum(p[1] for p in parts) == 100
+    assert [p[1] for p in parts] == sorted((p[1] for p in parts), reverse=True)
+    assert sum(p[1] for p in parts[::2]) == sum(p[1] for p in parts[1::2]) == 50
+    assert direct._parts(5, 16)[:3] == [(0, 1, 0, 8), (0, 1, 8, 16), (1, 1, 0, 8)]
+
+
 # Geometries a first run meets in published nets and that fixed-threshold tests never reach:
 # kernels larger than the unpadded input (MobileNet-SSD's conv17_2: 2x2 input, k3 s2 p1),
 # strides larger than the kernel, dilation, groups and depthwise, 1x1 inputs.
