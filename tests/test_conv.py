@@ -569,6 +569,10 @@ DIRECT_CASES = [cs for cs in CASES if len(cs[2]) == 2] + [
     case(2, 6, (4, 16), 10, 3, 1, 1, 1, 2),
     case(2, 1, (8, 16), 12, 7, 1, 3),
     case(2, 2, (3, 16), 3, 3, 1, (2, 1)),
+    # The forward kernel on an image read as it is, or padded where it would read the padding
+    # (three columns of it) or the image is larger than 16 KB.
+    case(3, 8, (7, 9), 4, 7, 1, 3),
+    case(3, 18, (16, 16), 5, 5, 1, 2),
 ]
 
 
@@ -596,6 +600,38 @@ def test_direct_engine(cs, dtype, tol, by_images, kernel_path, monkeypatch):
     close(dx, ref_conv_grads(dy, x, w, *args)[0], tol)
     yd = cm.deconv_forward(dd, ww, None, *args)
     close(yd, ref_deconv(dy, w, None, *args), tol)
+
+
+@pytest.mark.parametrize("cs", DIRECT_CASES[-2:] + [case(4, 6, (6, 7), 5, 5, 1, 2)], ids=ids)
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-4)])
+def test_direct_forward_run_of_images(cs, dtype, tol, kernel_path, monkeypatch):
+    """A run of images through the forward kernel (and dx, the same kernel on dy), each image
+    after the first padded into the padding the first left, or read as it is."""
+    monkeypatch.setattr(direct, "blas_threads", lambda: 1)
+    monkeypatch.setattr(direct, "PARTS_PER_THREAD", 1)
+    monkeypatch.setattr(direct, "_by_images", lambda n: True)
+    monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "direct")
+    x, w, b, dy = make(cs)
+    args = cs[5:]
+    if not direct.applicable(geometry.Geom(x.shape[2:], w.shape[2:], *args[:3]), np.dtype(dtype)):
+        pytest.skip("not a kernel path the direct engine takes")
+    xx, ww, bb, dd = (a.astype(dtype) for a in (x, w, b, dy))
+    close(cm.conv_forward(xx, ww, bb, *args), ref_conv(x, w, b, *args), tol)
+    dx, _, _ = cm.conv_backward(dd, xx, ww, *args, need_dw=False, need_db=False)
+    close(dx, ref_conv_grads(dy, x, w, *args)[0], tol)
+
+
+def test_direct_parts_end_together(monkeypatch):
+    """The direct engine's runs of images cover the batch once, in order, the longer runs
+    first: two threads taking 100 images' 8 runs in turn get 50 each."""
+    monkeypatch.setattr(direct, "blas_threads", lambda: 2)
+    monkeypatch.setattr(direct, "PARTS_PER_THREAD", 4)
+    parts = direct._parts(100, 1)
+    assert [p[0] for p in parts] == list(itertools.accumulate([0] + [p[1] for p in parts]))[:-1]
+    assert sum(p[1] for p in parts) == 100
+    assert [p[1] for p in parts] == sorted((p[1] for p in parts), reverse=True)
+    assert sum(p[1] for p in parts[::2]) == sum(p[1] for p in parts[1::2]) == 50
+    assert list(direct._parts(5, 16)[:3]) == [(0, 1, 0, 8), (0, 1, 8, 16), (1, 1, 0, 8)]
 
 
 # Geometries a first run meets in published nets and that fixed-threshold tests never reach:

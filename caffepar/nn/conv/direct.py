@@ -5,10 +5,10 @@ Output channels go in the vector lanes: the result is built in a "lanes" layout 
 each pixel's channels contiguous (padded to CP, a multiple of 64 bytes), by tiles of output
 pixels x two vectors of output channels held in registers (8 x 2 zmm with AVX-512, 6 x 2 ymm
 with AVX2) while every input channel and tap adds one broadcast input value times a vector of
-weights. The input is read zero-padded in place of
-NCHW. The kernels are built for the host's instruction set (AVX-512 where there is one), which a
-BLAS tuned for another CPU may not use, so this engine does not depend on how well the BLAS knows
-the CPU; it does best on thin layers, where GEMMs are short. Taps that would read only zero
+weights. The input is read zero-padded in place of NCHW (or, image by image, as it is where the
+kernel skips every tap that would read padding). The kernels are built for the host's
+instruction set (AVX-512 where there is one), which a BLAS tuned for another CPU may not use,
+so this engine does not depend on how well the BLAS knows the CPU; it does best on thin layers, where GEMMs are short. Taps that would read only zero
 padding are left out: on cifar10_quick's 8x8 conv3 (5x5, pad 2) that is 28% of the
 multiply-adds, which an im2col GEMM or a padded direct loop spends on zeros (oneDNN's kernels
 skip them too: counting every tap, they would run faster than the FMA units can).
@@ -129,7 +129,7 @@ class _Layout:
         _, c, hp, wp = xp.shape
         _, ho, wo, cp = out.shape
         self.k.conv_direct_forward(self.image(xp, i), native.ptr(wt), self.image(out, i), m, c,
-                                   hp, wp, cp, *g.kernel, ho, wo, *g.stride, *g.dilation,
+                                   hp, wp, 0, cp, *g.kernel, ho, wo, *g.stride, *g.dilation,
                                    *inside, r0, r1)
 
     def forward_nchw(self, x, wt, y, bias, i, m, g, pad, ci0, channels, co0, och, buf):

@@ -71,7 +71,7 @@ SIGNATURES = {
     "conv_pad": "pp" + "i" * 8,
     "conv_to_lanes": "pp" + "i" * 6,
     "conv_from_lanes": "ppp" + "i" * 6,
-    "conv_direct_forward": "ppp" + "i" * 19,
+    "conv_direct_forward": "ppp" + "i" * 20,
     "conv_direct_dw": "ppp" + "i" * 19,
     "conv_direct_forward_nchw": "pppppp" + "i" * 20,
     "conv_direct_dw_nchw": "ppppp" + "i" * 21,
