@@ -53,12 +53,16 @@ def mode():
 
 def _cache_file():
     from caffepar.nn import native
-    setting = (native.mode(), os.environ.get("CAFFEPAR_BLAS", ""), str(native.cache_dir()))
+    setting = tuple(os.environ.get(name) for name in _SETTINGS)
     if setting not in _paths:
         _paths[setting] = _hashed_path(native)
     return _paths[setting]
 
 
+#: The settings the cache file's path depends on: the kernel mode and flags, the BLAS and
+#: where the cache is (read at every layer's lookup; resolving the folder costs system calls).
+_SETTINGS = ("CAFFEPAR_KERNELS", "CAFFEPAR_CFLAGS", "CAFFEPAR_BLAS", "CAFFEPAR_CACHE_DIR",
+             "XDG_CACHE_HOME", "HOME")
 _paths = {}     # the settings it depends on -> cache file path
 
 
