@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from cpuinfo import cpu_key, cpu_name, host_isa  # noqa: E402
+from figures import pyplot  # noqa: E402
 from tables import write_tables  # noqa: E402
 
 # name: (channels in, input size, channels out, kernel, stride, pad, batch, dx needed)
@@ -139,6 +140,21 @@ def main():
               for r in rows]
     print("\n".join(lines))
     write_tables(out, lines, rows)
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(args.revisions)
+    for k, rev in enumerate(args.revisions):
+        ax.bar([i + k * width for i in range(len(items))],
+               [r["lost_ms"] for r in rows if r["revision"] == rev], width, label=rev)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(items))], items, fontsize=7,
+                  rotation=20)
+    ax.set_ylabel(f"ms lost on {n} threads against 1-thread / {n}")
+    ax.set_title(f"cifar10_quick, {cpu_key()} {isa}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
 
 
 if __name__ == "__main__":
