@@ -18,7 +18,8 @@ HOT = ("conv_direct_forward", "conv_direct_dw", "conv_to_lanes", "conv_from_lane
        "lrn_backward", "wino_input", "wino_output", "wino_output_adjoint")
 TILED = ("conv_direct_forward", "conv_direct_dw")
 # Tiles in static functions of their own (dw's whole-row tiles, one function per vector
-# count), named by prefix: the compiler may suffix a specialised copy (.constprop.0).
+# count, in AVX-512 builds), named by prefix: the compiler may suffix a specialised copy
+# (.constprop.0).
 TILED_PREFIXES = ("dw_whole_",)
 # Moves of one scalar, broadcasts and conversions: spilled loop counters and addresses, not tiles.
 SCALAR = re.compile(r"v?(mov[dq]|movs[sd]|p?broadcast\w*|movhp\w|movlp\w|pinsr\w|pextr\w|"
@@ -89,7 +90,7 @@ def test_hot_kernels_keep_tiles_in_registers(objects, march):
         counts[name] = stack_references(found[f"{name}_f32"])
     split = {name: fn for name, fn in found.items()
              if name.startswith(TILED_PREFIXES) and "_f32" in name}
-    assert split, TILED_PREFIXES
+    assert split or march == "haswell", TILED_PREFIXES     # only AVX-512 builds use them
     counts.update((name, stack_references(fn)) for name, fn in split.items())
     # The previous 64-byte tiles on AVX2: 5160 in the forward kernel's innermost loops (9217
     # in all), 5768 in dw's; AVX-512's forward kernel had 604 outside its loops.
