@@ -567,6 +567,7 @@ DIRECT_CASES = [cs for cs in CASES if len(cs[2]) == 2] + [
     case(2, 8, (7, 9), 20, 5, 1, 2),
     case(2, 6, (9, 8), 12, 5, 2, 2),
     case(2, 6, (6, 7), 10, 5, 1, 4),
+    case(2, 6, (9, 9), 5, 7, 1, 3),                # 49 taps in tiles of unequal sizes
     # Few input channels, rows of whole vectors: the rows kernels (partial channel blocks,
     # dilation, groups, a kernel row wider than a weight-gradient tile, rows all padding).
     case(3, 3, (5, 16), 10, 3, 1, 1),
