@@ -562,6 +562,12 @@ def test_engine_measured_once_and_cached(tmp_path, monkeypatch, kernel_path):
 DIRECT_CASES = [cs for cs in CASES if len(cs[2]) == 2] + [
     case(17, 5, (6, 7), 10, 3, 1, 1),              # a second, partly filled lane block
     case(3, 8, (5, 9), 12, (3, 5), 1, (1, 2), (2, 1), 2),
+    # dw's tiles of whole 5-wide kernel rows: the edge columns' taps left out (stride 1),
+    # looked up (stride 2), all taps where 3 or 4 read padding (pad 4).
+    case(2, 8, (7, 9), 20, 5, 1, 2),
+    case(2, 6, (9, 8), 12, 5, 2, 2),
+    case(2, 6, (6, 7), 10, 5, 1, 4),
+    case(2, 6, (9, 9), 5, 7, 1, 3),                # 49 taps in tiles of unequal sizes
     # Few input channels, rows of whole vectors: the rows kernels (partial channel blocks,
     # dilation, groups, a kernel row wider than a weight-gradient tile, rows all padding).
     case(3, 3, (5, 16), 10, 3, 1, 1),
