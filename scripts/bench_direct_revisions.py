@@ -10,19 +10,17 @@ A kernel change is kept when it helps, or is neutral, for the kernels built for 
 instruction set (run it again with CAFFEPAR_CFLAGS=-march=haswell for AVX2 code).
 """
 import argparse
-import atexit
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from cpuinfo import cpu_key, cpu_name, host_isa  # noqa: E402
+from cpuinfo import build_isa, cpu_key, cpu_name, isa_suffix  # noqa: E402
+from revisions import extract  # noqa: E402
 from tables import write_tables  # noqa: E402
 
 # name: (channels in, input size, channels out, kernel, stride, pad, batch, dx needed)
@@ -74,16 +72,7 @@ def main():
     args = ap.parse_args()
     load_start = os.getloadavg()[0]
     started = time.strftime("%Y-%m-%d %H:%M")
-    work = Path(tempfile.mkdtemp(prefix="caffepar-revisions-"))
-    atexit.register(shutil.rmtree, work, True)
-    trees = {}
-    for rev in args.revisions:
-        tree = work / rev.replace("/", "_")
-        tree.mkdir()
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "caffepar"],
-                                 capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-        trees[rev] = tree
+    trees = extract(args.revisions)
     best = {rev: {} for rev in trees}
     vector_bytes = None
     for _ in range(args.rounds + 1):        # the first round builds the kernels, untimed
@@ -100,8 +89,8 @@ def main():
     if args.rounds == 0:
         return
     load_end = os.getloadavg()[0]
-    isa = {64: "AVX-512", 32: "AVX2", 16: "SSE"}.get(vector_bytes, f"{vector_bytes}-byte")
-    suffix = "" if isa == host_isa() else "_" + isa.lower().replace("-", "")
+    isa = build_isa(vector_bytes)
+    suffix = isa_suffix(isa)
     out = Path(args.out) if args.out else ROOT / f"results/direct_revisions_{cpu_key()}{suffix}"
     base = args.revisions[0]
     rows = []

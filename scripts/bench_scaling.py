@@ -12,20 +12,18 @@ Ideal is the 1-thread time / N; lost = the N-thread time - ideal: the time threa
 waiting (for the caller's serial work, for one another at the end of a pass, to be woken).
 """
 import argparse
-import atexit
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from cpuinfo import cpu_key, cpu_name, host_isa  # noqa: E402
+from cpuinfo import build_isa, cpu_key, cpu_name, isa_suffix  # noqa: E402
 from figures import pyplot  # noqa: E402
+from revisions import extract  # noqa: E402
 from tables import write_tables  # noqa: E402
 
 # name: (channels in, input size, channels out, kernel, stride, pad, batch, dx needed)
@@ -79,16 +77,7 @@ def main():
     args = ap.parse_args()
     load_start = os.getloadavg()[0]
     started = time.strftime("%Y-%m-%d %H:%M")
-    work = Path(tempfile.mkdtemp(prefix="caffepar-scaling-"))
-    atexit.register(shutil.rmtree, work, True)
-    trees = {}
-    for rev in args.revisions:
-        tree = work / rev.replace("/", "_")
-        tree.mkdir()
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "caffepar", "scripts",
-                                  "models/cifar10_quick"], capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-        trees[rev] = tree
+    trees = extract(args.revisions, ("caffepar", "scripts", "models/cifar10_quick"), "caffepar-scaling-")
     counts = (1, args.threads)
     best = {}
     vector_bytes = None
@@ -109,8 +98,8 @@ def main():
     if args.rounds == 0:
         return
     load_end = os.getloadavg()[0]
-    isa = {64: "AVX-512", 32: "AVX2", 16: "SSE"}.get(vector_bytes, f"{vector_bytes}-byte")
-    suffix = "" if isa == host_isa() else "_" + isa.lower().replace("-", "")
+    isa = build_isa(vector_bytes)
+    suffix = isa_suffix(isa)
     out = Path(args.out) if args.out else ROOT / f"results/scaling_{cpu_key()}{suffix}"
     n = args.threads
     items = [item for (rev, item, threads) in best if rev == args.revisions[0] and threads == 1]

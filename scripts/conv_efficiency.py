@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import caffepar  # noqa: E402,F401  (sets BLAS threading up before NumPy loads it)
 import numpy as np  # noqa: E402
-from cpuinfo import cpu_key, cpu_name, host_isa  # noqa: E402
+from cpuinfo import build_isa, cpu_key, cpu_name, isa_suffix  # noqa: E402
 from figures import pyplot  # noqa: E402
 from tables import write_tables  # noqa: E402
 
@@ -144,7 +144,7 @@ def main():
     if k is None:
         raise SystemExit("conv_efficiency: the compiled kernels are not available")
     threads = blas_threads()
-    isa = {64: "AVX-512", 32: "AVX2", 16: "SSE"}.get(k.vector_bytes, f"{k.vector_bytes}-byte")
+    isa = build_isa(k.vector_bytes)
     try:
         import torch  # noqa: F401
         have_torch = True
@@ -172,7 +172,7 @@ def main():
         print(f"{name}: " + ", ".join(f"{r['side']} {r['pass']} {r['ms']:.2f} ms"
                                       for r in rows if r["layer"] == name), flush=True)
     load_end = os.getloadavg()[0]
-    suffix = "" if isa == host_isa() else "_" + isa.lower().replace("-", "")
+    suffix = isa_suffix(isa)
     out = Path(args.out) if args.out else ROOT / f"results/conv_efficiency_{cpu_key()}{suffix}"
     lines = ["# cifar10_quick's convolutions against this CPU's multiply-add peak", "",
              f"Written by `python scripts/conv_efficiency.py` ({started}, fastest of "

@@ -67,3 +67,13 @@ def cpu_key(cpuinfo="/proc/cpuinfo"):
     elif vendor == "intel" and family == 6:
         name = INTEL_CORES.get(model)
     return f"{vendor}_{name or f'f{family}m{model}'}"
+
+
+def build_isa(vector_bytes):
+    """The instruction set kernels were built for, from their vector width."""
+    return {64: "AVX-512", 32: "AVX2", 16: "SSE"}.get(vector_bytes, f"{vector_bytes}-byte")
+
+
+def isa_suffix(isa, cpuinfo="/proc/cpuinfo"):
+    """A results file's name suffix for kernels built for `isa`: none for the host's own."""
+    return "" if isa == host_isa(cpuinfo) else "_" + isa.lower().replace("-", "")

@@ -30,3 +30,10 @@ def test_cpu_name_and_isa(tmp_path):
     name = cpuinfo.cpu_name(path)
     assert name.startswith("AMD EPYC (family 25, model 17, ") and "AVX-512" in name
     assert cpuinfo.host_isa(fake(tmp_path, "GenuineIntel", 6, 0x3f, "fpu avx2")) == "AVX2"
+
+
+def test_results_suffix_names_a_foreign_build(tmp_path):
+    path = fake(tmp_path, "AuthenticAMD", 25, 17, "fpu avx2 avx512f")
+    assert cpuinfo.isa_suffix(cpuinfo.build_isa(64), path) == ""
+    assert cpuinfo.isa_suffix(cpuinfo.build_isa(32), path) == "_avx2"
+    assert cpuinfo.build_isa(8) == "8-byte"
