@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import caffepar  # noqa: E402,F401  (sets BLAS threading up before NumPy loads it)
 import numpy as np  # noqa: E402
-from cpuinfo import cpu_key, cpu_name, host_isa  # noqa: E402
+from cpuinfo import build_isa, cpu_key, cpu_name, isa_suffix  # noqa: E402
 
 NETS = {"cifar10_quick": 100, "alexnet": 16, "vgg16": 4}
 TIME_ITERATIONS = {"cifar10_quick": 10, "alexnet": 3, "vgg16": 2}
@@ -182,11 +182,6 @@ def pool1_ms(rounds):
     return min(best_time(step, 10) for _ in range(rounds)) * 1e3
 
 
-def build_isa(vector_bytes):
-    """The instruction set the kernels were built for, from their vector width."""
-    return {64: "AVX-512", 32: "AVX2", 16: "SSE"}.get(vector_bytes, f"{vector_bytes}-byte")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nets", default=",".join(NETS))
@@ -221,9 +216,7 @@ def main():
     kernels = (f"compiled for {build_isa(k.vector_bytes)} ({k.vector_bytes}-byte vectors, "
                f"{k.registers} registers)" if k is not None else "NumPy")
     if args.out is None:
-        host = host_isa()
-        build = build_isa(k.vector_bytes) if k is not None else "numpy"
-        suffix = "" if build == host else "_" + build.lower().replace("-", "")
+        suffix = isa_suffix(build_isa(k.vector_bytes) if k is not None else "numpy")
         args.out = str(ROOT / f"results/cpu_speed_{cpu_key()}{suffix}")
     print(f"{cpu_name()}; {threads} thread(s); SGEMM {rate:.1f} GFLOP/s; kernels: {kernels}; "
           f"PyTorch {'installed' if have_torch else 'not installed'}; "

@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import caffepar  # noqa: E402,F401  (sets BLAS threading up before NumPy loads it)
 import numpy as np  # noqa: E402
-from bench_train import NETS, build_isa, caffepar_step, torch_model, torch_step  # noqa: E402
-from cpuinfo import cpu_key, cpu_name, host_isa  # noqa: E402
+from bench_train import NETS, caffepar_step, torch_model, torch_step  # noqa: E402
+from cpuinfo import build_isa, cpu_key, cpu_name, isa_suffix  # noqa: E402
 
 
 def clock_layers(forward, backward, n, fwd, bwd):
@@ -210,8 +210,7 @@ def main():
     k = native.kernels(np.float32)
     build = build_isa(k.vector_bytes) if k is not None else "numpy"
     if args.out is None:
-        suffix = "" if build == host_isa() else "_" + build.lower().replace("-", "")
-        args.out = str(ROOT / f"results/profile_{args.net}_{cpu_key()}{suffix}")
+        args.out = str(ROOT / f"results/profile_{args.net}_{cpu_key()}{isa_suffix(build)}")
 
     ours = OursLayers(args.net, batch)
     theirs = TorchLayers(args.net, batch, threads, ours.names)
