@@ -32,37 +32,6 @@ SHAPES = {"cifar10_quick conv1": (3, 32, 32, 5, 1, 2, 100, False),
           "vgg16 conv1_1": (3, 224, 64, 3, 1, 1, 4, False),
           "vgg16 conv3_1": (128, 56, 256, 3, 1, 1, 4, True)}
 
-TIMER = r"""
-import json, sys, time
-sys.path.insert(0, sys.argv[1])
-import caffepar  # noqa: F401
-import numpy as np
-from caffepar.nn import native
-from caffepar.nn.conv import direct
-from caffepar.nn.conv.geometry import geom
-dt = np.dtype(np.float32)
-out = {"vector_bytes": native.kernels(dt).vector_bytes}
-for name, (c, h, o, k, s, p, n, need_dx) in json.loads(sys.argv[2]).items():
-    g = geom((h, h), (k, k), (s, s), (p, p), (1, 1))
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((n, c, h, h), dtype=np.float32)
-    w = rng.standard_normal((o, c, k, k), dtype=np.float32)
-    y = np.empty((n, o) + g.out, np.float32)
-    dx = np.empty_like(x) if need_dx else None
-    def best(fn):
-        fn()
-        times = []
-        while len(times) < 3 or sum(times) < 0.3:
-            t0 = time.perf_counter(); fn(); times.append(time.perf_counter() - t0)
-        return min(times) * 1e3
-    out[name] = (best(lambda: direct.forward(g, x, w, None, y, 1, dt)),
-                 best(lambda: direct.backward(g, y, x, w, dx, 1, False, dt)) if need_dx
-                 else 0.0,
-                 best(lambda: direct.backward(g, y, x, w, None, 1, True, dt)))
-print(json.dumps(out))
-"""
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("revisions", nargs="+")
@@ -78,12 +47,13 @@ def main():
     for _ in range(args.rounds + 1):        # the first round builds the kernels, untimed
         for rev, tree in trees.items():
             got = json.loads(subprocess.run(
-                [sys.executable, "-c", TIMER, str(tree), json.dumps(SHAPES)],
-                capture_output=True, text=True, check=True).stdout)
+                [sys.executable, str(ROOT / "scripts/direct_passes.py"), str(tree),
+                 json.dumps(SHAPES)], capture_output=True, text=True, check=True).stdout)
             vector_bytes = got.pop("vector_bytes")
             if _ == 0:
                 continue
-            for name, times in got.items():
+            for name, passes in got.items():
+                times = (passes["forward"], passes.get("dx", 0.0), passes["dw"])
                 old = best[rev].get(name, (float("inf"),) * len(times))
                 best[rev][name] = tuple(map(min, old, times))
     if args.rounds == 0:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What a second thread (or more) gives cifar10_quick's training: each pass of the direct
-convolution engine at conv1-3 (forward, dx where the net needs it, dw, timed alone as
-bench_direct_revisions.py times them) and the whole training step (bench_train.py's solver
+convolution engine at conv1-3 (forward, dx where the net needs it, dw, timed alone by
+direct_passes.py) and the whole training step (bench_train.py's solver
 step), on 1 thread and on N, at one or more git revisions; each revision and thread count in a
 process of its own, in alternating rounds, the fastest counting. Writes
 results/scaling_<cpu>[_<isa>].{md,csv}.
@@ -31,42 +31,6 @@ SHAPES = {"conv1": (3, 32, 32, 5, 1, 2, 100, False),
           "conv2": (32, 16, 32, 5, 1, 2, 100, True),
           "conv3": (32, 8, 64, 5, 1, 2, 100, True)}
 
-TIMER = r"""
-import json, sys, time
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/scripts"]
-import caffepar  # noqa: F401
-import numpy as np
-from caffepar.nn import native
-from caffepar.nn.conv import direct
-from caffepar.nn.conv.geometry import geom
-from bench_train import caffepar_step
-dt = np.dtype(np.float32)
-out = {"vector_bytes": native.kernels(dt).vector_bytes}
-
-def best(fn, least=0.3):
-    fn()
-    times = []
-    while len(times) < 5 or sum(times) < least:
-        t0 = time.perf_counter(); fn(); times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
-
-for name, (c, h, o, k, s, p, n, need_dx) in json.loads(sys.argv[2]).items():
-    g = geom((h, h), (k, k), (s, s), (p, p), (1, 1))
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((n, c, h, h), dtype=np.float32)
-    w = rng.standard_normal((o, c, k, k), dtype=np.float32)
-    y = np.empty((n, o) + g.out, np.float32)
-    dx = np.empty_like(x) if need_dx else None
-    out[name + " forward"] = best(lambda: direct.forward(g, x, w, None, y, 1, dt))
-    if need_dx:
-        out[name + " dx"] = best(lambda: direct.backward(g, y, x, w, dx, 1, False, dt))
-    out[name + " dw"] = best(lambda: direct.backward(g, y, x, w, None, 1, True, dt))
-step = caffepar_step("cifar10_quick", 100)[0]
-out["training step"] = best(step, 1.0)
-print(json.dumps(out))
-"""
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("revisions", nargs="*", default=["HEAD"])
@@ -77,7 +41,7 @@ def main():
     args = ap.parse_args()
     load_start = os.getloadavg()[0]
     started = time.strftime("%Y-%m-%d %H:%M")
-    trees = extract(args.revisions, ("caffepar", "scripts", "models/cifar10_quick"), "caffepar-scaling-")
+    trees = extract(args.revisions, prefix="caffepar-scaling-")
     counts = (1, args.threads)
     best = {}
     vector_bytes = None
@@ -87,12 +51,15 @@ def main():
                 env = dict(os.environ, **{v: str(threads) for v in
                                           ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")})
                 got = json.loads(subprocess.run(
-                    [sys.executable, "-c", TIMER, str(tree), json.dumps(SHAPES)],
+                    [sys.executable, str(ROOT / "scripts/direct_passes.py"), str(tree),
+                     json.dumps(SHAPES), "--step"],
                     capture_output=True, text=True, check=True, env=env).stdout)
                 vector_bytes = got.pop("vector_bytes")
                 if round_ == 0:
                     continue
-                for item, ms in got.items():
+                step = {"training step": got.pop("training step")}
+                for item, ms in [(f"{name} {p}", ms) for name, passes in got.items()
+                                 for p, ms in passes.items()] + list(step.items()):
                     key = (rev, item, threads)
                     best[key] = min(best.get(key, float("inf")), ms)
     if args.rounds == 0:
