@@ -50,24 +50,133 @@ def test_shape_mismatch_is_an_error():
         blas.gemm_views(a, b, np.empty((3, 5), np.float32), trans_a=True)
 
 
-def test_idle_blas_workers_sleep():
-    """After a GEMM, OpenBLAS's worker threads must not spin on the cores the layers' NumPy
-    work and the data threads need (caffepar sets OPENBLAS_THREAD_TIMEOUT before NumPy loads)."""
+IDLE_AFTER_GEMM = """
+import json, resource, time
+{imports}
+from caffepar.nn import blas
+
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+rng = np.random.default_rng(0)
+a = rng.standard_normal((512, 300)).astype(np.float32)
+w = rng.standard_normal((400, 300)).astype(np.float32)
+y = np.empty((512, 400), np.float32)
+blas.gemm(a, w.T, y)
+start = cpu()
+time.sleep(0.15)
+idle = cpu() - start
+err = float(np.abs(y - a.astype(np.float64) @ w.T.astype(np.float64)).max())
+print(json.dumps({{"idle": idle, "threads": blas.blas_threads(), "err": err}}))
+"""
+
+
+def idle_after_gemm(numpy_first, **env):
+    """CPU seconds a process used in a 0.15 s sleep after a threaded GEMM through blas.gemm,
+    its BLAS thread count and the GEMM's largest error against NumPy in float64."""
+    import json
     import subprocess
     import sys
-    code = (
-        "import caffepar, numpy as np, resource, time\n"
-        "a = np.ones((512, 512), np.float32)\n"
-        "a @ a\n"
-        "r0 = resource.getrusage(resource.RUSAGE_SELF)\n"
-        "time.sleep(0.3)\n"
-        "r1 = resource.getrusage(resource.RUSAGE_SELF)\n"
-        "print(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)\n")
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
-    env["OPENBLAS_NUM_THREADS"] = "2"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True)
-    assert float(out.stdout) < 0.03, f"BLAS workers used {out.stdout.strip()} s of CPU while idle"
+    imports = "import numpy as np\nimport caffepar"
+    if not numpy_first:
+        imports = "import caffepar\nimport numpy as np"
+    drop = ("OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+            "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "PMI_SIZE") + blas._threads._LOCAL_RANK_VARS
+    env = {**{k: v for k, v in os.environ.items() if k not in drop}, **env}
+    out = subprocess.run([sys.executable, "-c", IDLE_AFTER_GEMM.format(imports=imports)],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("numpy_first", [False, True], ids=["caffepar-first", "numpy-first"])
+def test_idle_blas_workers_sleep(numpy_first):
+    """After a GEMM, OpenBLAS's worker threads must not spin on the cores the layers' own
+    threads, their NumPy work and the data threads need: caffepar sets OPENBLAS_THREAD_TIMEOUT
+    before NumPy loads OpenBLAS, or makes a NumPy imported first restart its pool with it.
+    Spinning workers use about the whole sleep. The GEMM's result and the thread count stay."""
+    if blas._THREADS is None:
+        pytest.skip("NumPy's OpenBLAS is not the BLAS here")
+    got = idle_after_gemm(numpy_first, OPENBLAS_NUM_THREADS="2")
+    assert got["idle"] < 0.3 * 0.15, f"BLAS workers used {got['idle']:.3f} s of CPU while idle"
+    assert got["threads"] == 2
+    assert got["err"] < 1e-3
+
+
+def test_openblas_environment_keeps_the_users_choices(monkeypatch):
+    """Only variables the user left unset are set (and so only those can be missed)."""
+    t = blas._threads
+    coretype = t.openblas_coretype()
+    env = {"OPENBLAS_THREAD_TIMEOUT": "30", "MPI_LOCALNRANKS": "2"}
+    monkeypatch.setattr(os, "environ", env)
+    n = str(t.threads_per_rank(2))
+    assert t.set_openblas_environment() == {"OPENBLAS_NUM_THREADS": n,
+                                            **({"OPENBLAS_CORETYPE": coretype} if coretype else {})}
+    assert env["OPENBLAS_THREAD_TIMEOUT"] == "30" and env["OMP_NUM_THREADS"] == n
+    env = {"OMP_NUM_THREADS": "3", "MPI_LOCALNRANKS": "2", "OPENBLAS_CORETYPE": "Haswell"}
+    monkeypatch.setattr(os, "environ", env)
+    assert t.set_openblas_environment() == {"OPENBLAS_THREAD_TIMEOUT": "4"}
+    assert "OPENBLAS_NUM_THREADS" not in env and env["OPENBLAS_CORETYPE"] == "Haswell"
+
+
+def test_rank_threads_set_after_numpy():
+    """Ranks sharing a node split its cores among their BLAS threads even when NumPy loaded
+    OpenBLAS before caffepar could set OPENBLAS_NUM_THREADS."""
+    if blas._THREADS is None:
+        pytest.skip("NumPy's OpenBLAS is not the BLAS here")
+    got = idle_after_gemm(True, MPI_LOCALNRANKS="2")
+    assert got["threads"] == blas._threads.threads_per_rank(2)
+    assert got["err"] < 1e-3
+
+
+class FakeOpenBLAS:
+    """The entry points _catch_up uses, recording calls."""
+
+    def __init__(self, corename=b"SkylakeX", restart=True):
+        self.calls = []
+        if restart:
+            self.openblas_read_env = lambda: self.calls.append("read_env")
+            self.blas_thread_shutdown_ = lambda: self.calls.append("shutdown")
+        self.scipy_openblas_get_corename64_ = lambda: corename
+
+
+def test_catch_up_applies_or_warns(caplog):
+    """What OpenBLAS missed is applied through its entry points; what cannot be (kernels
+    chosen at load, a library without the restart) is one warning, and only when it matters."""
+    set_to = []
+    threads = (lambda: 2, set_to.append)
+    lib = FakeOpenBLAS()
+    with caplog.at_level("WARNING", logger="caffepar"):
+        blas._catch_up(lib, "_64_", threads, {"OPENBLAS_THREAD_TIMEOUT": "4",
+                                              "OPENBLAS_NUM_THREADS": "1",
+                                              "OPENBLAS_CORETYPE": "SkylakeX"})
+        assert lib.calls == ["read_env", "shutdown"] and set_to == [1]
+        assert not caplog.records
+        blas._catch_up(FakeOpenBLAS(), "_64_", threads, {})
+        assert set_to == [1] and not caplog.records
+        blas._catch_up(FakeOpenBLAS(b"Haswell", restart=False), "_64_", threads,
+                       {"OPENBLAS_THREAD_TIMEOUT": "4", "OPENBLAS_CORETYPE": "SkylakeX"})
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2
+    assert "OPENBLAS_THREAD_TIMEOUT=4" in messages[0]
+    assert "runs Haswell kernels, not SkylakeX" in messages[1]
+
+
+def test_missed_settings_only_for_a_blas_loaded_before(monkeypatch, tmp_path):
+    """Settings count as missed for the library mapped before caffepar set them, not for one
+    loaded after; without the process's mappings, NumPy imported before stands for it."""
+    t = blas._threads
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f10 r-xp 00000000 08:01 42   /x/numpy.libs/libscipy_openblas64_.so\n"
+                    "7f20-7f30 r--p 00000000 00:00 0\n")
+    monkeypatch.setattr(t, "_LOADED_BEFORE", t.loaded_openblas(str(maps)))
+    monkeypatch.setattr(t, "_SET", {"OPENBLAS_THREAD_TIMEOUT": "4"})
+    assert t.missed_settings("/x/numpy.libs/libscipy_openblas64_.so") == t._SET
+    assert t.missed_settings("/y/libscipy_openblas64_.so") == {}
+    monkeypatch.setattr(t, "_LOADED_BEFORE", t.loaded_openblas(str(tmp_path / "none")))
+    monkeypatch.setattr(t, "_NUMPY_BEFORE", True)
+    assert t.missed_settings("/y/libscipy_openblas64_.so") == t._SET
 
 
 def test_single_threaded_blas_nests_and_restores():

@@ -10,9 +10,9 @@ and about 1.3x faster on the thin GEMMs of small convolutions, and one library m
 pool), else SciPy's exported one (`scipy.linalg.cython_blas`).
 
 The cores a process may use are its BLAS threads (`blas_threads`, set per MPI rank by
-`caffepar._threads`). Layers whose work comes in independent blocks can instead run the blocks
-side by side on that many Python threads (`run_parts`), each with single-threaded GEMMs and
-its own work arrays (`scratch`).
+`caffepar._threads`; `_catch_up` when NumPy loaded OpenBLAS first). Layers whose work comes in
+independent blocks can instead run the blocks side by side on that many Python threads
+(`run_parts`), each with single-threaded GEMMs and its own work arrays (`scratch`).
 
 BLAS splits a GEMM into one fixed share per thread, and its threads wait for one another by
 spinning. When other processes keep the cores busy (`cores_contended`), a share whose thread
@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import glob
 import itertools
+import logging
 import math
 import os
 import threading
@@ -32,10 +33,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from caffepar import _threads
 
-def _numpy_openblas():
+log = logging.getLogger("caffepar")
+
+
+def _numpy_openblas(catch_up=False):
     """({dtype: (sgemm/dgemm, scalar type, integer type)}, (get, set) of its thread count or
-    None) from NumPy's bundled OpenBLAS, or ({}, None)."""
+    None) from NumPy's bundled OpenBLAS, or ({}, None); with catch_up, first given the settings
+    it was loaded too early to read (`_catch_up`)."""
     root = os.path.dirname(np.__file__)
     paths = sorted(glob.glob(os.path.join(root + ".libs", "libscipy_openblas*"))
                    + glob.glob(os.path.join(root, ".dylibs", "libscipy_openblas*")))
@@ -53,8 +59,48 @@ def _numpy_openblas():
                 fn.restype = None
             gemms = {np.dtype(np.float32): (fns[0], ctypes.c_float, integer),
                      np.dtype(np.float64): (fns[1], ctypes.c_double, integer)}
-            return gemms, _thread_control(lib, suffix)
+            threads = _thread_control(lib, suffix)
+            if catch_up:
+                _catch_up(lib, suffix, threads, _threads.missed_settings(path))
+            return gemms, threads
     return {}, None
+
+
+def _catch_up(lib, suffix, threads, missed):
+    """Apply the settings of `caffepar._threads` that OpenBLAS missed ({variable: value}),
+    NumPy having loaded it before caffepar was imported.
+
+    Without the short thread timeout its idle workers spin for a tenth of a second after every
+    threaded GEMM, taking a core from the layers' own threads (`run_parts`): cifar10_quick's
+    training step took 1.7x as long on 2 cores. OpenBLAS reads the timeout when it starts its
+    thread pool, so it re-reads the environment and the pool is shut down; the next threaded
+    GEMM starts it again (the way OpenBLAS restarts it in a forked child). This runs at import,
+    when no GEMM is in flight. A rank's thread count goes through the runtime setter. The
+    kernels (OPENBLAS_CORETYPE) are chosen once, at load, and no entry point changes them: a
+    warning says so where OpenBLAS chose other kernels than the ones asked for."""
+    if "OPENBLAS_THREAD_TIMEOUT" in missed:
+        try:
+            read_env, shutdown = lib.openblas_read_env, lib.blas_thread_shutdown_
+        except AttributeError:
+            log.warning("caffepar: NumPy's OpenBLAS was loaded before caffepar and its idle "
+                        "threads will spin after each GEMM; import caffepar before NumPy or "
+                        "set OPENBLAS_THREAD_TIMEOUT=4")
+        else:
+            read_env()
+            shutdown()
+    if "OPENBLAS_NUM_THREADS" in missed and threads is not None:
+        threads[1](int(missed["OPENBLAS_NUM_THREADS"]))
+    want = missed.get("OPENBLAS_CORETYPE")
+    if want:
+        chosen = "its default"
+        with contextlib.suppress(AttributeError):
+            corename = getattr(lib, f"scipy_openblas_get_corename{suffix.strip('_')}_")
+            corename.restype, corename.argtypes = ctypes.c_char_p, []
+            chosen = (corename() or b"?").decode(errors="replace")
+        if chosen.lower() != want.lower():
+            log.warning(f"caffepar: NumPy's OpenBLAS was loaded before caffepar and runs "
+                        f"{chosen} kernels, not {want}; import caffepar before NumPy or set "
+                        f"OPENBLAS_CORETYPE={want}")
 
 
 def _thread_control(lib, suffix):
@@ -96,7 +142,7 @@ def _scipy_blas():
 
 def _load_blas():
     if os.environ.get("CAFFEPAR_BLAS", "").lower() != "scipy":
-        found = _numpy_openblas()
+        found = _numpy_openblas(catch_up=True)
         if found[0]:
             return found
     return _scipy_blas()
