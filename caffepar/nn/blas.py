@@ -72,19 +72,21 @@ def _catch_up(lib, suffix, threads, missed):
 
     Without the short thread timeout its idle workers spin for a tenth of a second after every
     threaded GEMM, taking a core from the layers' own threads (`run_parts`): cifar10_quick's
-    training step took 1.7x as long on 2 cores. OpenBLAS reads the timeout when it starts its
-    thread pool, so it re-reads the environment and the pool is shut down; the next threaded
-    GEMM starts it again (the way OpenBLAS restarts it in a forked child). This runs at import,
-    when no GEMM is in flight. A rank's thread count goes through the runtime setter. The
-    kernels (OPENBLAS_CORETYPE) are chosen once, at load, and no entry point changes them: a
-    warning says so where OpenBLAS chose other kernels than the ones asked for."""
+    training step took 1.5-1.8x as long on 2 cores. OpenBLAS reads the timeout when it starts its
+    thread pool, so it re-reads the environment and the pool is shut down, through two entry
+    points it exports for its own use (its fork handler shuts the pool down the same way); the
+    next threaded GEMM starts the pool again. This runs at import, when no GEMM is in flight. A
+    rank's thread count goes through the public setter. The kernels (OPENBLAS_CORETYPE) are
+    chosen once, at load, and no entry point changes them safely under live threads: a warning
+    says so where OpenBLAS chose other kernels than the ones asked for, as one does where the
+    library cannot restart its pool."""
     if "OPENBLAS_THREAD_TIMEOUT" in missed:
         try:
             read_env, shutdown = lib.openblas_read_env, lib.blas_thread_shutdown_
         except AttributeError:
-            log.warning("caffepar: NumPy's OpenBLAS was loaded before caffepar and its idle "
-                        "threads will spin after each GEMM; import caffepar before NumPy or "
-                        "set OPENBLAS_THREAD_TIMEOUT=4")
+            log.warning("NumPy's OpenBLAS was loaded before caffepar, and its idle threads "
+                        "spin after each GEMM; import caffepar before NumPy or run with "
+                        "OPENBLAS_THREAD_TIMEOUT=4")
         else:
             read_env()
             shutdown()
@@ -98,9 +100,9 @@ def _catch_up(lib, suffix, threads, missed):
             corename.restype, corename.argtypes = ctypes.c_char_p, []
             chosen = (corename() or b"?").decode(errors="replace")
         if chosen.lower() != want.lower():
-            log.warning(f"caffepar: NumPy's OpenBLAS was loaded before caffepar and runs "
-                        f"{chosen} kernels, not {want}; import caffepar before NumPy or set "
-                        f"OPENBLAS_CORETYPE={want}")
+            log.warning("NumPy's OpenBLAS was loaded before caffepar, and runs %s kernels, not "
+                        "%s; import caffepar before NumPy or run with OPENBLAS_CORETYPE=%s",
+                        chosen, want, want)
 
 
 def _thread_control(lib, suffix):
