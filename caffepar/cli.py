@@ -177,7 +177,8 @@ ALLOW_MISSING_OPTION = click.option(
 @click.option("--model-parallel", "model_parallel", default="")
 @click.option("--mp-threshold", default=None, type=click.IntRange(min=0))
 @click.option("--threads", default=None, type=click.IntRange(min=1),
-              help="BLAS threads per rank (default: cores / ranks).")
+              help="Threads per rank, or of this process without --np (default: cores / "
+                   "ranks).")
 @click.option("--mpiexec", default=None, help="The mpiexec to start ranks with.")
 @click.option("--save-profile", type=click.Path(dir_okay=False), default=None,
               help="Write every layer's forward and backward ms to this file, the compute "
@@ -274,7 +275,8 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
               help="Parameter count above which hybrid runs an InnerProduct model parallel.")
 @click.option("--log-all-ranks", is_flag=True, help="Log from every rank, prefixed with it.")
 @click.option("--threads", default=None, type=click.IntRange(min=1),
-              help="BLAS threads per rank (default: cores / ranks).")
+              help="Threads per rank, or of this process without --np (default: cores / "
+                   "ranks).")
 @click.option("--mpiexec", default=None, help="The mpiexec to start ranks with.")
 @comm_options
 @cost_options
@@ -771,12 +773,18 @@ def _planner(default_mode, model_parallel, mp_threshold, cost_model=None, ranks=
 
 
 def _relaunch_if_asked(ctx, ranks, threads, mpiexec):
-    """`--np P` outside an MPI launch: run this same command under mpiexec and exit with it."""
+    """`--np P` outside an MPI launch: run this same command under mpiexec and exit with it.
+    Otherwise `--threads` applies to this process."""
     from caffepar.parallel.comm import launched_by_mpi
     if ranks and ranks > 1 and not launched_by_mpi():
         from caffepar.parallel.launch import relaunch, strip_option
         sys.exit(relaunch(ranks, strip_option(ctx.obj["argv"], {"--np", "--mpiexec"}), threads,
                           mpiexec))
+    if threads:
+        from caffepar.nn.blas import set_blas_threads
+        if not set_blas_threads(threads):
+            click.echo("warning: --threads is ignored: the BLAS in use (CAFFEPAR_BLAS=scipy) "
+                       "has no thread count to set", err=True)
 
 
 def _warn_gpu(gpu):

@@ -280,3 +280,18 @@ def test_methods_are_named_by_their_papers_not_by_numbers():
     found = [name for name, text in texts.items() if numbering.search(text)]
     assert found == []
     assert "Ju Tao, Kang Heting, Liu Shuai and Huo" in texts["README.md"]
+
+
+def test_time_threads_applies_without_np(capsys):
+    """--threads sets the thread count of a one-process run too (it used to reach only ranks
+    started with --np)."""
+    from caffepar.nn import blas
+    before = blas.blas_threads()
+    want = 1 if before > 1 else 2
+    try:
+        code, out, err = run(["time", "-model", str(BAD / "small.prototxt"), "-iterations", "1",
+                              "--threads", str(want)], capsys)
+        assert code == 0, err
+        assert blas.blas_threads() == (want if blas._THREADS is not None else 1)
+    finally:
+        blas.set_blas_threads(before)

@@ -256,6 +256,21 @@ def blas_threads():
         return _saved_threads if _single_users else max(1, _THREADS[0]())
 
 
+def set_blas_threads(count):
+    """Run GEMMs and parts on `count` threads from now on (the commands' --threads in a
+    process of their own, where the variables set at import came too late); False where the
+    BLAS's thread count cannot be set."""
+    global _saved_threads
+    if _THREADS is None:
+        return False
+    with _THREADS_LOCK:
+        if _single_users:
+            _saved_threads = count
+        else:
+            _THREADS[1](count)
+    return True
+
+
 @contextlib.contextmanager
 def single_threaded_blas():
     """GEMMs run on the calling thread only, for work split over Python threads by the caller.
