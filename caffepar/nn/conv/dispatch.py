@@ -220,8 +220,9 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
         if not (g.x_full or use_cols or whole):
             dx.fill(0)
     if whole and engine == "direct":
-        dw = direct.backward(g, dy, x, w, dx, group, need_dw, dt)
-        db = bias_diff(dy, dt) if need_db else None
+        dw, db = direct.backward(g, dy, x, w, dx, group, need_dw, dt, need_db)
+        if need_db and db is None:
+            db = bias_diff(dy, dt)
     elif whole:
         dw = winograd.backward(dy, x, w, dx, g.pad, group, need_dw, dt)
         db = bias_diff(dy, dt) if need_db else None

@@ -74,10 +74,10 @@ SIGNATURES = {
     "conv_direct_forward": "ppp" + "i" * 20,
     "conv_direct_dw": "ppp" + "i" * 19,
     "conv_direct_forward_nchw": "pppppp" + "i" * 20,
-    "conv_direct_dw_nchw": "ppppp" + "i" * 21,
+    "conv_direct_dw_nchw": "pppppp" + "i" * 21,
     "conv_block": "",
     "conv_rows_forward": "ppppp" + "i" * 18,
-    "conv_rows_dw": "pppp" + "i" * 18,
+    "conv_rows_dw": "ppppp" + "i" * 18,
     "conv_rows_block": "",
 }
 
