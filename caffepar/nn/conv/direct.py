@@ -27,7 +27,6 @@ import numpy as np
 from caffepar.nn import native
 from caffepar.nn.blas import blas_threads, run_parts, scratch, split_parts
 from caffepar.nn.conv import geometry
-from caffepar.nn.conv.geometry import flipped_weights
 
 #: Parts per thread the work is cut in (a thread slowed by other load takes fewer).
 PARTS_PER_THREAD = 4
@@ -163,6 +162,14 @@ class _Layout:
                               wp, cp, *g.kernel, ho, wo, *g.stride, *g.dilation,
                               *_inside(g.pad, g.in_sp, (1, 1)), c0, c1)
 
+    def from_runs(self, sums, out, lanes=1):
+        """out (O, ...) = the runs' partial sums (runs, ..., CP) added in run order, or with
+        lanes (runs, ..., OP, lanes) and their lanes added too, for the O output channels:
+        (runs, C, KH, KW, CP) -> dw (O, C, KH, KW), (runs, CP) -> db (O,)."""
+        cp = sums.shape[-1 if lanes == 1 else -2]
+        self.k.conv_dw_from_runs(native.ptr(sums), native.ptr(out), len(sums),
+                                 sums[0].size // (cp * lanes), cp, lanes, len(out))
+
     def rows(self, g, cg):
         """Whether a layer with cg input channels per group takes the rows kernels."""
         vl = self.k.vector_bytes // self.isz
@@ -193,22 +200,23 @@ class _Layout:
     def rows_weights(self, w):
         """(O, C, KH, KW) -> (C, KH, KW, OP): the rows kernel's weights, each tap's output
         channels contiguous, zero-padded to whole blocks."""
-        o = w.shape[0]
         block = self.k.conv_rows_block()
-        wt = np.zeros(w.shape[1:] + (-(-o // block) * block,), self.dt)
-        wt[..., :o] = np.moveaxis(w, 0, -1)
-        return wt
+        return self._blocks(w, -(-w.shape[0] // block) * block, 1)[0]
 
     def weights(self, w):
         """(O, C, KH, KW) -> (OP / B, C, KH, KW, B): blocks of B output channels (the forward
         kernel's register tile: 2 vectors of the width the kernels are built for),
-        zero-padded."""
-        o = w.shape[0]
+        zero-padded. w may be any view (dx's flipped kernels are one)."""
         block = self.k.conv_block()
-        wt = np.zeros((-(-_lanes(o, self.dt) // block) * block,) + w.shape[1:], self.dt)
-        wt[:o] = w
-        return np.ascontiguousarray(
-            wt.reshape((-1, block) + w.shape[1:]).transpose(0, 2, 3, 4, 1))
+        return self._blocks(w, block, -(-_lanes(w.shape[0], self.dt) // block))
+
+    def _blocks(self, w, block, blocks):
+        """(blocks, C, KH, KW, block) from w (O, C, KH, KW) read through its strides, in one
+        pass (NumPy's zeros, copy and transpose took 4-5x as long in a training step)."""
+        wt = np.empty((blocks,) + w.shape[1:] + (block,), self.dt)
+        self.k.conv_weights(native.ptr(w), native.ptr(wt), w.shape[0], *w.shape[1:], block,
+                            blocks, *(s // self.isz for s in w.strides))
+        return wt
 
 
 def _inside(pad, extent, step):
@@ -277,15 +285,6 @@ def backward(g, dy, x, w, dx, group, need_dw, dt, need_db=False):
     return _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, need_db, dt)
 
 
-def _sum_runs(sums):
-    """The runs' partial sums added in run order (the same rounding whichever thread ran
-    which run)."""
-    total = sums[0]
-    for part in sums[1:]:
-        total += part
-    return total
-
-
 def _rows_weight_gradient(lay, g, dy, x, w, group, need_db, dt):
     """(dw, db or None) on the rows kernels: each run of images sums its own lanes (and
     bias), the runs' sums added in order, then the lanes."""
@@ -299,15 +298,30 @@ def _rows_weight_gradient(lay, g, dy, x, w, group, need_db, dt):
     dw = np.empty(w.shape, dt)
     db = np.empty(o, dt) if need_db else None
     for gi in range(group):
-        sums = np.zeros((len(runs), cg) + g.kernel + (og, vl), dt)
-        bsums = np.zeros((len(runs), og), dt) if need_db else None
-        _run(lambda i, m, _a, _b: lay.rows_weight_gradient(
-            sums[starts.index(i)], None if bsums is None else bsums[starts.index(i)], x, dy,
-            i, m, g, gi * cg, cg, gi * og, og, scratch("direct_x", (1, cg, hp, wp), dt)), runs)
-        dw[gi * og:(gi + 1) * og] = np.moveaxis(_sum_runs(sums).sum(axis=-1), -1, 0)
+        sums = scratch("direct_sums", (len(runs), cg) + g.kernel + (og, vl), dt)
+        bsums = scratch("direct_bias_sums", (len(runs), _lanes(og, dt)), dt) \
+            if need_db else None
+
+        def run(i, m, _a, _b):
+            r = starts.index(i)
+            _zero(sums[r], None if bsums is None else bsums[r])
+            lay.rows_weight_gradient(sums[r], None if bsums is None else bsums[r], x, dy, i, m,
+                                     g, gi * cg, cg, gi * og, og,
+                                     scratch("direct_x", (1, cg, hp, wp), dt))
+
+        _run(run, runs)
+        lay.from_runs(sums, dw[gi * og:(gi + 1) * og], vl)
         if need_db:
-            db[gi * og:(gi + 1) * og] = _sum_runs(bsums)
+            lay.from_runs(bsums, db[gi * og:(gi + 1) * og])
     return dw, db
+
+
+def _zero(*arrays):
+    """A run's partial sums zeroed by the run itself (in its thread, into its cache), in work
+    arrays kept between passes (fresh zeros took page faults every pass)."""
+    for a in arrays:
+        if a is not None:
+            a.fill(0)
 
 
 def _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, need_db, dt):
@@ -317,7 +331,6 @@ def _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, need_db, dt):
     dw = np.empty(w.shape, dt) if need_dw else None
     need_db = need_db and need_dw and _by_images(n)
     db = np.empty(o, dt) if need_db else None
-    wf = flipped_weights(w, group) if dx is not None else None
     gt = geometry.geom(g.in_sp, g.kernel, (1, 1), (0, 0), g.dilation)
     spread = tuple(i + d * (k - 1) for i, k, d in zip(g.in_sp, g.kernel, g.dilation))
     hp, wp = (i + 2 * p for i, p in zip(g.in_sp, g.pad))
@@ -327,19 +340,21 @@ def _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, need_db, dt):
     dy_inside = _inside(_dx_pad(g), g.out, g.stride)
     dw_shapes = {"x": shapes["x"], "dyl": shapes["dyl"]}
     for gi in range(group):
-        wt = lay.weights(wf[gi * cg:(gi + 1) * cg]) if dx is not None else None
+        wt = lay.weights(_flipped(w[gi * og:(gi + 1) * og])) if dx is not None else None
         if _by_images(n):
             runs = _parts(n, 1, geometry.SUM_PARTS)
             starts = [r[0] for r in runs]
-            sums = np.zeros((len(runs), cg) + g.kernel + (_lanes(og, dt),), dt) \
+            sums = scratch("direct_sums", (len(runs), cg) + g.kernel + (_lanes(og, dt),), dt) \
                 if need_dw else None
-            bsums = np.zeros((len(runs), og), dt) if need_db else None
+            bsums = scratch("direct_bias_sums", (len(runs), _lanes(og, dt)), dt) \
+                if need_db else None
 
             def run(i, m, _r0, _r1):
                 if need_dw:
-                    lay.weight_gradient_nchw(sums[starts.index(i)],
-                                             None if bsums is None else bsums[starts.index(i)],
-                                             x, dy, i, m, g, gi * cg, cg, gi * og, og,
+                    r = starts.index(i)
+                    _zero(sums[r], None if bsums is None else bsums[r])
+                    lay.weight_gradient_nchw(sums[r], None if bsums is None else bsums[r], x,
+                                             dy, i, m, g, gi * cg, cg, gi * og, og,
                                              _buffers(dw_shapes, dt, dw_group(g, m)))
                 if dx is not None and g.stride == (1, 1):
                     lay.forward_nchw(dy, wt, dx, None, i, m, gt, _dx_pad(g), gi * og, og,
@@ -372,10 +387,15 @@ def _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, need_db, dt):
                 _run(lambda i, m, _a, _b: lay.from_lanes(buf["dxl"], dx, i, m, gi * cg, cg,
                                                          None), _parts(n, 1))
         if need_dw:
-            dw[gi * og:(gi + 1) * og] = np.moveaxis(_sum_runs(sums)[..., :og], -1, 0)
+            lay.from_runs(sums, dw[gi * og:(gi + 1) * og])
         if need_db:
-            db[gi * og:(gi + 1) * og] = _sum_runs(bsums)
+            lay.from_runs(bsums, db[gi * og:(gi + 1) * og])
     return dw, db
+
+
+def _flipped(w):
+    """w (O, C, KH, KW) as dx's weights: (C, O, KH, KW), every kernel flipped (a view)."""
+    return w.swapaxes(0, 1)[:, :, ::-1, ::-1]
 
 
 def _spread(lay, out, dy, first, channels, g):
