@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from caffepar.blob import canonical_axis
-from caffepar.nn.base import Layer, register
+from caffepar.nn.base import Layer, register, reshaped_by_shape
 from caffepar.proto import caffe_pb2
 from caffepar.proto.text import read_blob_proto
 
@@ -143,6 +143,7 @@ class SoftmaxWithLossLayer(NormalizedLoss):
     def layer_setup(self, bottom, top):
         self.read_loss_param()
 
+    @reshaped_by_shape
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         self.split_axis(bottom, self.param.softmax_param.axis)
