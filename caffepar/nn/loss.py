@@ -147,6 +147,9 @@ class SoftmaxWithLossLayer(NormalizedLoss):
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         self.split_axis(bottom, self.param.softmax_param.axis)
+        # (outer, 1) and (1, inner) indices: with the labels, where each position's
+        # probability sits (take_along_axis built these at every call).
+        self.at = np.indices((self.outer, self.inner), sparse=True)
         if len(top) >= 2:
             top[1].reshape(bottom[0].shape)
             self.prob = top[1].data
@@ -159,7 +162,7 @@ class SoftmaxWithLossLayer(NormalizedLoss):
         softmax(bottom[0].data, self.axis, out=self.prob)
         _, valid, safe = self.labels(bottom)
         p = self.prob.reshape(self.outer, self.channels, self.inner)
-        picked = np.take_along_axis(p, safe[:, None, :], axis=1)[:, 0, :]
+        picked = p[self.at[0], safe, self.at[1]]
         logs = np.log(np.maximum(picked, FLT_MIN))
         loss, count = self.summed_loss(logs, valid)
         top[0].data[...] = loss / self.normalizer(count)
@@ -171,7 +174,7 @@ class SoftmaxWithLossLayer(NormalizedLoss):
         _, valid, safe = self.labels(bottom)
         dx = bottom[0].diff.reshape(self.outer, self.channels, self.inner)
         np.copyto(dx, self.prob.reshape(dx.shape))
-        o, i = np.indices(safe.shape, sparse=True)
+        o, i = self.at
         if valid is None:
             dx[o, safe, i] -= 1
             count = safe.size
