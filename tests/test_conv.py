@@ -640,6 +640,35 @@ def test_direct_parts_end_together(monkeypatch):
     assert list(direct._parts(5, 16)[:3]) == [(0, 1, 0, 8), (0, 1, 8, 16), (1, 1, 0, 8)]
 
 
+@pytest.mark.parametrize("cs", [case(12, 3, (6, 32), 10, 5, 1, 2),      # rows kernels
+                                case(12, 8, (8, 8), 20, 3, 1, 1),       # lanes, a partial vector
+                                case(12, 8, (9, 9), 12, 3, 2, 1, 1, 2)], ids=ids)
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 1e-6)])
+def test_direct_bias_gradient_in_runs(cs, dtype, tol, kernel_path, monkeypatch):
+    """The direct engine's runs of images sum db beside dw (no pass of its own over dy): db
+    as the float64 sum, and dw and db bit for bit the same on every call and whether one
+    thread or two take the runs."""
+    x, w, _, dy = make(cs, dtype=dtype)
+    args = cs[5:]
+    if not direct.applicable(geometry.Geom(x.shape[2:], w.shape[2:], *args[:3]),
+                             np.dtype(dtype)):
+        pytest.skip("not a kernel path the direct engine takes")
+    from caffepar.nn import blas
+    from caffepar.nn.conv import dispatch
+    monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "direct")
+    monkeypatch.setattr(direct, "blas_threads", lambda: 2)       # the same runs throughout
+    monkeypatch.setattr(dispatch, "bias_diff", None)             # not called
+    want = dy.astype(np.float64).sum(axis=(0, 2, 3))
+    got = []
+    for workers in (1, 2, 2, 1):
+        monkeypatch.setattr(blas, "blas_threads", lambda: workers)
+        _, dw, db = cm.conv_backward(dy, x, w, *args, need_dx=False)
+        got.append((dw, db))
+    close(got[0][1], want, tol)
+    for dw, db in got[1:]:
+        assert np.array_equal(dw, got[0][0]) and np.array_equal(db, got[0][1])
+
+
 # Geometries a first run meets in published nets and that fixed-threshold tests never reach:
 # kernels larger than the unpadded input (MobileNet-SSD's conv17_2: 2x2 input, k3 s2 p1),
 # strides larger than the kernel, dilation, groups and depthwise, 1x1 inputs.

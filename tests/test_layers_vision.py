@@ -79,3 +79,29 @@ def test_winograd_convolution_gradients(shape, param, monkeypatch):
     monkeypatch.setattr(winograd, "WINOGRAD_MAX_WASTE", 1.0)
     check_net_gradients(_net(f'type: "Convolution" convolution_param {{ {param} {FILLERS} }}',
                              shape), {"x": RNG.standard_normal(shape)})
+
+
+def test_reshape_follows_the_bottoms():
+    """Convolution and InnerProduct return at once from a reshape that repeats the last one,
+    and follow a changed batch, or a top reshaped by someone else, at the next."""
+    from caffepar.graph.net import TEST, Net
+    from caffepar.proto import caffe_pb2
+    from caffepar.proto.text import parse_text
+    text = _net(f'type: "Convolution" convolution_param {{ num_output: 4 kernel_size: 3 '
+                f'{FILLERS} }}', (2, 3, 5, 5),
+                f'layer {{ name: "ip" type: "InnerProduct" bottom: "y" top: "z" '
+                f'inner_product_param {{ num_output: 3 {FILLERS} }} }}')
+    net = Net(parse_text(text, caffe_pb2.NetParameter()), phase=TEST, dtype=np.float64)
+    ip = net.layer_dict["ip"]
+    for batch in (2, 2, 3, 1):
+        net.blobs["x"].reshape(batch, 3, 5, 5)
+        net.blobs["x"].data[...] = RNG.standard_normal((batch, 3, 5, 5))
+        net.reshape()
+        net.forward_from_to()
+        y = net.blobs["y"].data
+        assert y.shape == (batch, 4, 3, 3) and net.blobs["z"].shape == (batch, 3)
+        want = y.reshape(batch, -1) @ ip.blobs[0].data.T + ip.blobs[1].data
+        np.testing.assert_allclose(net.blobs["z"].data, want, rtol=1e-12)
+    net.blobs["y"].reshape(7, 1)
+    net.reshape()
+    assert net.blobs["y"].shape == (1, 4, 3, 3)

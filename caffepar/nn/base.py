@@ -1,5 +1,6 @@
 """The Layer contract every Caffe layer type implements, and the registry keyed by type string."""
 import difflib
+import functools
 
 import numpy as np
 
@@ -23,6 +24,22 @@ def register(type_name):
         return cls
 
     return wrap
+
+
+def reshaped_by_shape(reshape):
+    """Decorates the reshape of a layer whose reshape depends on its bottoms' shapes (and its
+    own parameters) alone: a net reshapes every layer before each forward, and a repeat with
+    the bottoms and tops as the last reshape left them returns at once (a convolution's took
+    90 us of a cifar10_quick step's Python, out of cache between the large passes)."""
+    @functools.wraps(reshape)
+    def once(self, bottom, top):
+        shapes = tuple(b.data.shape for b in bottom) + tuple(t.data.shape for t in top)
+        if self.__dict__.get("_reshaped_for") == shapes:
+            return
+        reshape(self, bottom, top)
+        self._reshaped_for = (tuple(b.data.shape for b in bottom)
+                              + tuple(t.data.shape for t in top))
+    return once
 
 
 def _known(type_name):

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from caffepar.common import env
+
 log = logging.getLogger("caffepar")
 
 #: Timing rounds per shape (the fastest counts).
@@ -48,12 +50,12 @@ _measuring = threading.local()
 
 
 def mode():
-    return os.environ.get("CAFFEPAR_CONV_ENGINES", "measure").strip().lower() or "measure"
+    return env("CAFFEPAR_CONV_ENGINES", "measure").strip().lower() or "measure"
 
 
 def _cache_file():
     from caffepar.nn import native
-    setting = tuple(os.environ.get(name) for name in _SETTINGS)
+    setting = tuple(env(name) for name in _SETTINGS)
     if setting not in _paths:
         _paths[setting] = _hashed_path(native)
     return _paths[setting]

@@ -8,7 +8,7 @@ import numpy as np
 
 from caffepar.blob import canonical_axis
 from caffepar.nn import calibrate, native
-from caffepar.nn.base import Layer, register
+from caffepar.nn.base import Layer, register, reshaped_by_shape
 from caffepar.nn.blas import blas_threads, gemm, run_parts, scratch
 
 #: Batches of at most this many rows may use the compiled kernels (the "wide" kernels hold a
@@ -37,6 +37,7 @@ class InnerProductLayer(Layer):
         if self.bias_term:
             self.add_param_blob((self.num_output,), p.bias_filler)
 
+    @reshaped_by_shape
     def reshape(self, bottom, top):
         axis = canonical_axis(self.param.inner_product_param.axis, bottom[0].num_axes)
         k = int(np.prod(bottom[0].shape[axis:]))

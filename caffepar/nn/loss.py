@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from caffepar.blob import canonical_axis
-from caffepar.nn.base import Layer, register
+from caffepar.nn.base import Layer, register, reshaped_by_shape
 from caffepar.proto import caffe_pb2
 from caffepar.proto.text import read_blob_proto
 
@@ -143,9 +143,13 @@ class SoftmaxWithLossLayer(NormalizedLoss):
     def layer_setup(self, bottom, top):
         self.read_loss_param()
 
+    @reshaped_by_shape
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         self.split_axis(bottom, self.param.softmax_param.axis)
+        # (outer, 1) and (1, inner) indices: with the labels, where each position's
+        # probability sits (take_along_axis built these at every call).
+        self.at = np.indices((self.outer, self.inner), sparse=True)
         if len(top) >= 2:
             top[1].reshape(bottom[0].shape)
             self.prob = top[1].data
@@ -158,7 +162,7 @@ class SoftmaxWithLossLayer(NormalizedLoss):
         softmax(bottom[0].data, self.axis, out=self.prob)
         _, valid, safe = self.labels(bottom)
         p = self.prob.reshape(self.outer, self.channels, self.inner)
-        picked = np.take_along_axis(p, safe[:, None, :], axis=1)[:, 0, :]
+        picked = p[self.at[0], safe, self.at[1]]
         logs = np.log(np.maximum(picked, FLT_MIN))
         loss, count = self.summed_loss(logs, valid)
         top[0].data[...] = loss / self.normalizer(count)
@@ -170,7 +174,7 @@ class SoftmaxWithLossLayer(NormalizedLoss):
         _, valid, safe = self.labels(bottom)
         dx = bottom[0].diff.reshape(self.outer, self.channels, self.inner)
         np.copyto(dx, self.prob.reshape(dx.shape))
-        o, i = np.indices(safe.shape, sparse=True)
+        o, i = self.at
         if valid is None:
             dx[o, safe, i] -= 1
             count = safe.size

@@ -4,7 +4,7 @@ import numpy as np
 
 from caffepar.blob import canonical_axis
 from caffepar.nn import conv
-from caffepar.nn.base import Layer, register
+from caffepar.nn.base import Layer, register, reshaped_by_shape
 
 
 def _geometry(layer, p, num_spatial):
@@ -99,6 +99,7 @@ class _ConvolutionBase(Layer):
     def output_spatial(self, spatial):
         raise NotImplementedError
 
+    @reshaped_by_shape
     def reshape(self, bottom, top):
         first = bottom[0].shape
         if len(first) != self.axis + 1 + self.num_spatial:

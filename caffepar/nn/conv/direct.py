@@ -27,7 +27,6 @@ import numpy as np
 from caffepar.nn import native
 from caffepar.nn.blas import blas_threads, run_parts, scratch, split_parts
 from caffepar.nn.conv import geometry
-from caffepar.nn.conv.geometry import flipped_weights
 
 #: Parts per thread the work is cut in (a thread slowed by other load takes fewer).
 PARTS_PER_THREAD = 4
@@ -143,15 +142,15 @@ class _Layout:
             channels, h, w, *pad, buf["y"].shape[-1], *g.kernel, ho, wo, *g.stride,
             *g.dilation, c_out, co0, och)
 
-    def weight_gradient_nchw(self, out, x, dy, i, m, g, ci0, channels, co0, och, buf):
+    def weight_gradient_nchw(self, out, db, x, dy, i, m, g, ci0, channels, co0, och, buf):
         """out (C, KH, KW, CP) += the weight gradient of images i .. i + m (channels ci0 ..
         of x, co0 .. of dy), a few images at a time through buffers for as many
-        (`dw_group`)."""
+        (`dw_group`); db (och) += their bias gradient unless db is None."""
         _, c_in, h, w = x.shape
         _, c_out, ho, wo = dy.shape
         self.k.conv_direct_dw_nchw(
             self.image(x, i), native.ptr(buf["x"]), self.image(dy, i), native.ptr(buf["dyl"]),
-            native.ptr(out), m, len(buf["x"]), c_in, ci0, channels, h, w, *g.pad,
+            native.ptr(out), None if db is None else native.ptr(db), m, len(buf["x"]), c_in, ci0, channels, h, w, *g.pad,
             buf["dyl"].shape[-1], *g.kernel, ho, wo, *g.stride, *g.dilation, c_out, co0, och)
 
     def weight_gradient(self, out, xp, dyl, i, m, g, c0, c1):
@@ -162,6 +161,14 @@ class _Layout:
         self.k.conv_direct_dw(self.image(xp, i), self.image(dyl, i), native.ptr(out), m, c, hp,
                               wp, cp, *g.kernel, ho, wo, *g.stride, *g.dilation,
                               *_inside(g.pad, g.in_sp, (1, 1)), c0, c1)
+
+    def from_runs(self, sums, out, lanes=1):
+        """out (O, ...) = the runs' partial sums (runs, ..., CP) added in run order, or with
+        lanes (runs, ..., OP, lanes) and their lanes added too, for the O output channels:
+        (runs, C, KH, KW, CP) -> dw (O, C, KH, KW), (runs, CP) -> db (O,)."""
+        cp = sums.shape[-1 if lanes == 1 else -2]
+        self.k.conv_dw_from_runs(native.ptr(sums), native.ptr(out), len(sums),
+                                 sums[0].size // (cp * lanes), cp, lanes, len(out))
 
     def rows(self, g, cg):
         """Whether a layer with cg input channels per group takes the rows kernels."""
@@ -179,35 +186,37 @@ class _Layout:
             channels, h, w, *g.pad, *g.kernel, *g.dilation, ho, wo, c_out, co0, och,
             wt.shape[-1])
 
-    def rows_weight_gradient(self, out, x, dy, i, m, g, ci0, channels, co0, och, xp):
+    def rows_weight_gradient(self, out, db, x, dy, i, m, g, ci0, channels, co0, och, xp):
         """out (C, KH, KW, OP, VL) += the rows kernel's weight gradient of images i .. i + m,
-        lane by lane."""
+        lane by lane; db (och) += their bias gradient unless db is None."""
         _, c_in, h, w = x.shape
         _, c_out, ho, wo = dy.shape
         self.k.conv_rows_dw(
-            self.image(x, i), native.ptr(xp), self.image(dy, i), native.ptr(out), m, c_in,
+            self.image(x, i), native.ptr(xp), self.image(dy, i), native.ptr(out),
+            None if db is None else native.ptr(db), m, c_in,
             ci0, channels, h, w, *g.pad, *g.kernel, *g.dilation, ho, wo, c_out, co0, och,
             out.shape[-2])
 
     def rows_weights(self, w):
         """(O, C, KH, KW) -> (C, KH, KW, OP): the rows kernel's weights, each tap's output
         channels contiguous, zero-padded to whole blocks."""
-        o = w.shape[0]
         block = self.k.conv_rows_block()
-        wt = np.zeros(w.shape[1:] + (-(-o // block) * block,), self.dt)
-        wt[..., :o] = np.moveaxis(w, 0, -1)
-        return wt
+        return self._blocks(w, -(-w.shape[0] // block) * block, 1)[0]
 
     def weights(self, w):
         """(O, C, KH, KW) -> (OP / B, C, KH, KW, B): blocks of B output channels (the forward
         kernel's register tile: 2 vectors of the width the kernels are built for),
-        zero-padded."""
-        o = w.shape[0]
+        zero-padded. w may be any view (dx's flipped kernels are one)."""
         block = self.k.conv_block()
-        wt = np.zeros((-(-_lanes(o, self.dt) // block) * block,) + w.shape[1:], self.dt)
-        wt[:o] = w
-        return np.ascontiguousarray(
-            wt.reshape((-1, block) + w.shape[1:]).transpose(0, 2, 3, 4, 1))
+        return self._blocks(w, block, -(-_lanes(w.shape[0], self.dt) // block))
+
+    def _blocks(self, w, block, blocks):
+        """(blocks, C, KH, KW, block) from w (O, C, KH, KW) read through its strides, in one
+        pass (NumPy's zeros, copy and transpose took 4-5x as long in a training step)."""
+        wt = np.empty((blocks,) + w.shape[1:] + (block,), self.dt)
+        self.k.conv_weights(native.ptr(w), native.ptr(wt), w.shape[0], *w.shape[1:], block,
+                            blocks, *(s // self.isz for s in w.strides))
+        return wt
 
 
 def _inside(pad, extent, step):
@@ -262,20 +271,23 @@ def forward(g, x, w, bias, y, group, dt):
              _parts(n, 1))
 
 
-def backward(g, dy, x, w, dx, group, need_dw, dt):
-    """dw (or None), and dx written in full when dx is given."""
+def backward(g, dy, x, w, dx, group, need_dw, dt, need_db=False):
+    """(dw or None, db or None), and dx written in full when dx is given. With need_dw and
+    need_db, the runs of images that sum dw sum db too, while their dy is in cache (a pass of
+    its own over dy took 0.9 ms of cifar10_quick's step on one thread); db is None where the
+    caller must take it itself (dw not needed, or a batch too small for runs of images)."""
     lay = _Layout(dt)
     if need_dw and lay.rows(g, w.shape[1]):
-        dw = _rows_weight_gradient(lay, g, dy, x, w, group, dt)
+        dw, db = _rows_weight_gradient(lay, g, dy, x, w, group, need_db, dt)
         if dx is not None:
-            _lanes_backward(lay, g, dy, x, w, dx, group, False, dt)
-        return dw
-    return _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, dt)
+            _lanes_backward(lay, g, dy, x, w, dx, group, False, False, dt)
+        return dw, db
+    return _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, need_db, dt)
 
 
-def _rows_weight_gradient(lay, g, dy, x, w, group, dt):
-    """dw on the rows kernels: each run of images sums its own lanes, the runs' sums added in
-    order, then the lanes."""
+def _rows_weight_gradient(lay, g, dy, x, w, group, need_db, dt):
+    """(dw, db or None) on the rows kernels: each run of images sums its own lanes (and
+    bias), the runs' sums added in order, then the lanes."""
     n = dy.shape[0]
     o, cg = w.shape[:2]
     og = o // group
@@ -284,24 +296,41 @@ def _rows_weight_gradient(lay, g, dy, x, w, group, dt):
     runs = _parts(n, 1, geometry.SUM_PARTS)
     starts = [r[0] for r in runs]
     dw = np.empty(w.shape, dt)
+    db = np.empty(o, dt) if need_db else None
     for gi in range(group):
-        sums = np.zeros((len(runs), cg) + g.kernel + (og, vl), dt)
-        _run(lambda i, m, _a, _b: lay.rows_weight_gradient(
-            sums[starts.index(i)], x, dy, i, m, g, gi * cg, cg, gi * og, og,
-            scratch("direct_x", (1, cg, hp, wp), dt)), runs)
-        total = sums[0]
-        for part in sums[1:]:
-            total += part
-        dw[gi * og:(gi + 1) * og] = np.moveaxis(total.sum(axis=-1), -1, 0)
-    return dw
+        sums = scratch("direct_sums", (len(runs), cg) + g.kernel + (og, vl), dt)
+        bsums = scratch("direct_bias_sums", (len(runs), _lanes(og, dt)), dt) \
+            if need_db else None
+
+        def run(i, m, _a, _b):
+            r = starts.index(i)
+            _zero(sums[r], None if bsums is None else bsums[r])
+            lay.rows_weight_gradient(sums[r], None if bsums is None else bsums[r], x, dy, i, m,
+                                     g, gi * cg, cg, gi * og, og,
+                                     scratch("direct_x", (1, cg, hp, wp), dt))
+
+        _run(run, runs)
+        lay.from_runs(sums, dw[gi * og:(gi + 1) * og], vl)
+        if need_db:
+            lay.from_runs(bsums, db[gi * og:(gi + 1) * og])
+    return dw, db
 
 
-def _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, dt):
+def _zero(*arrays):
+    """A run's partial sums zeroed by the run itself (in its thread, into its cache), in work
+    arrays kept between passes (fresh zeros took page faults every pass)."""
+    for a in arrays:
+        if a is not None:
+            a.fill(0)
+
+
+def _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, need_db, dt):
     n = dy.shape[0]
     o, cg = w.shape[:2]
     og = o // group
     dw = np.empty(w.shape, dt) if need_dw else None
-    wf = flipped_weights(w, group) if dx is not None else None
+    need_db = need_db and need_dw and _by_images(n)
+    db = np.empty(o, dt) if need_db else None
     gt = geometry.geom(g.in_sp, g.kernel, (1, 1), (0, 0), g.dilation)
     spread = tuple(i + d * (k - 1) for i, k, d in zip(g.in_sp, g.kernel, g.dilation))
     hp, wp = (i + 2 * p for i, p in zip(g.in_sp, g.pad))
@@ -311,16 +340,21 @@ def _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, dt):
     dy_inside = _inside(_dx_pad(g), g.out, g.stride)
     dw_shapes = {"x": shapes["x"], "dyl": shapes["dyl"]}
     for gi in range(group):
-        wt = lay.weights(wf[gi * cg:(gi + 1) * cg]) if dx is not None else None
+        wt = lay.weights(_flipped(w[gi * og:(gi + 1) * og])) if dx is not None else None
         if _by_images(n):
             runs = _parts(n, 1, geometry.SUM_PARTS)
-            sums = np.zeros((len(runs), cg) + g.kernel + (_lanes(og, dt),), dt) \
+            starts = [r[0] for r in runs]
+            sums = scratch("direct_sums", (len(runs), cg) + g.kernel + (_lanes(og, dt),), dt) \
                 if need_dw else None
+            bsums = scratch("direct_bias_sums", (len(runs), _lanes(og, dt)), dt) \
+                if need_db else None
 
             def run(i, m, _r0, _r1):
                 if need_dw:
-                    lay.weight_gradient_nchw(sums[[r[0] for r in runs].index(i)], x, dy, i, m,
-                                             g, gi * cg, cg, gi * og, og,
+                    r = starts.index(i)
+                    _zero(sums[r], None if bsums is None else bsums[r])
+                    lay.weight_gradient_nchw(sums[r], None if bsums is None else bsums[r], x,
+                                             dy, i, m, g, gi * cg, cg, gi * og, og,
                                              _buffers(dw_shapes, dt, dw_group(g, m)))
                 if dx is not None and g.stride == (1, 1):
                     lay.forward_nchw(dy, wt, dx, None, i, m, gt, _dx_pad(g), gi * og, og,
@@ -353,11 +387,15 @@ def _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, dt):
                 _run(lambda i, m, _a, _b: lay.from_lanes(buf["dxl"], dx, i, m, gi * cg, cg,
                                                          None), _parts(n, 1))
         if need_dw:
-            total = sums[0]
-            for part in sums[1:]:
-                total += part
-            dw[gi * og:(gi + 1) * og] = np.moveaxis(total[..., :og], -1, 0)
-    return dw
+            lay.from_runs(sums, dw[gi * og:(gi + 1) * og])
+        if need_db:
+            lay.from_runs(bsums, db[gi * og:(gi + 1) * og])
+    return dw, db
+
+
+def _flipped(w):
+    """w (O, C, KH, KW) as dx's weights: (C, O, KH, KW), every kernel flipped (a view)."""
+    return w.swapaxes(0, 1)[:, :, ::-1, ::-1]
 
 
 def _spread(lay, out, dy, first, channels, g):

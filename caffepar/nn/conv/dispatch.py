@@ -1,10 +1,11 @@
 """The convolution API with Caffe's semantics, and the one place that picks an engine for a layer
 shape (``conv_engine``)."""
+import functools
 import threading
 
 import numpy as np
 
-from caffepar.nn import calibrate
+from caffepar.nn import calibrate, native
 from caffepar.nn.blas import blas_threads
 from caffepar.nn.conv import band, cols, direct, grid, pointwise, winograd
 from caffepar.nn.conv.geometry import bias_diff, expand, flipped_geom, flipped_weights, geom
@@ -42,17 +43,31 @@ def _engine(g, cg, og, group, n, dt, passes="all"):
     shape = (g.in_sp, g.kernel, g.stride, g.pad, g.dilation, cg, og, group)
     if getattr(_forced, "shape", None) == shape:
         return _forced.engine
-    able = candidates(g, cg, group, dt)
+    able = _candidates(g, cg, group, dt, native.mode())
     mode = calibrate.mode()
     if mode in able:
         return mode
     if mode != "measure" or n == 0 or calibrate.measuring():
         return rule_engine(g, cg, og, group)
-    key = (f"{n}x{cg * group}x{'x'.join(map(str, g.in_sp))} {og * group} "
-           f"k{'x'.join(map(str, g.kernel))} s{'x'.join(map(str, g.stride))} "
-           f"p{'x'.join(map(str, g.pad))} d{'x'.join(map(str, g.dilation))} g{group} {dt.name}"
-           f"{'' if passes == 'all' else ' ' + passes} t{blas_threads()}")
+    key = _choice_key(g, cg, og, group, n, dt, passes, blas_threads())
     return calibrate.choose(key, able, lambda: _timing_run(shape, n, dt, passes), key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _candidates(g, cg, group, dt, kernels_mode):
+    """candidates, kept per shape and kernel path: every layer looks its engine up on every
+    pass."""
+    return tuple(candidates(g, cg, group, dt))
+
+
+@functools.lru_cache(maxsize=1024)
+def _choice_key(g, cg, og, group, n, dt, passes, threads):
+    """The shape's key in the engine cache (built once: formatting it cost more than the
+    lookup)."""
+    return (f"{n}x{cg * group}x{'x'.join(map(str, g.in_sp))} {og * group} "
+            f"k{'x'.join(map(str, g.kernel))} s{'x'.join(map(str, g.stride))} "
+            f"p{'x'.join(map(str, g.pad))} d{'x'.join(map(str, g.dilation))} g{group} {dt.name}"
+            f"{'' if passes == 'all' else ' ' + passes} t{threads}")
 
 
 def _timing_run(shape, n, dt, passes):
@@ -220,8 +235,9 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
         if not (g.x_full or use_cols or whole):
             dx.fill(0)
     if whole and engine == "direct":
-        dw = direct.backward(g, dy, x, w, dx, group, need_dw, dt)
-        db = bias_diff(dy, dt) if need_db else None
+        dw, db = direct.backward(g, dy, x, w, dx, group, need_dw, dt, need_db)
+        if need_db and db is None:
+            db = bias_diff(dy, dt)
     elif whole:
         dw = winograd.backward(dy, x, w, dx, g.pad, group, need_dw, dt)
         db = bias_diff(dy, dt) if need_db else None

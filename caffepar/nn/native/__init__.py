@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from caffepar.common import env
 from caffepar.errors import CaffeparError
 
 log = logging.getLogger("caffepar")
@@ -74,10 +75,12 @@ SIGNATURES = {
     "conv_direct_forward": "ppp" + "i" * 20,
     "conv_direct_dw": "ppp" + "i" * 19,
     "conv_direct_forward_nchw": "pppppp" + "i" * 20,
-    "conv_direct_dw_nchw": "ppppp" + "i" * 21,
+    "conv_direct_dw_nchw": "pppppp" + "i" * 21,
+    "conv_dw_from_runs": "pp" + "i" * 5,
+    "conv_weights": "pp" + "i" * 10,
     "conv_block": "",
     "conv_rows_forward": "ppppp" + "i" * 18,
-    "conv_rows_dw": "pppp" + "i" * 18,
+    "conv_rows_dw": "ppppp" + "i" * 18,
     "conv_rows_block": "",
 }
 
@@ -87,10 +90,18 @@ class KernelBuildError(CaffeparError):
 
 
 def mode():
-    value = os.environ.get("CAFFEPAR_KERNELS", "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise CaffeparError(f"CAFFEPAR_KERNELS must be one of {', '.join(MODES)}, got {value!r}")
+    raw = env("CAFFEPAR_KERNELS", "auto")
+    value = _modes.get(raw)
+    if value is None:
+        value = raw.strip().lower() or "auto"
+        if value not in MODES:
+            raise CaffeparError(f"CAFFEPAR_KERNELS must be one of {', '.join(MODES)}, "
+                                f"got {value!r}")
+        _modes[raw] = value
     return value
+
+
+_modes = {}     # CAFFEPAR_KERNELS as set -> the mode it names (read at every kernel lookup)
 
 
 def cache_dir():
