@@ -243,6 +243,27 @@ def test_gate_posts_and_waits(compiled):
     first = 2 if compiled else 1
     assert seen == list(range(first, first + 200))
 
+    # A worker's round: post the end of one piece of work, wait for the next, in one call.
+    ping, pong = blas._Gate(sync), blas._Gate(sync)
+
+    def player():
+        ping.wait(0.0002)
+        for i in range(100):
+            if i % 25 == 0:
+                time.sleep(0.003)   # the other side blocked before this post
+            ping.post_then_wait(pong, 0 if i % 10 == 9 else 0.0002)
+
+    t = threading.Thread(target=player)
+    t.start()
+    for i in range(101):
+        ping.post()
+        if i % 30 == 0:
+            time.sleep(0.003)       # the player blocked before this post
+        if i < 100:
+            pong.wait(0.0002)
+    t.join(10)
+    assert not t.is_alive() and (ping.seen, pong.seen) == (101, 100)
+
 
 def test_run_parts_polls_only_on_quiet_cores(monkeypatch):
     """Workers poll for the next call only while the cores are not contended: with a long

@@ -296,14 +296,14 @@ if hasattr(os, "register_at_fork"):
 
 
 def _sync():
-    """(gate_post, gate_wait) of the compiled kernels, or None (polling then left out)."""
+    """(gate_post, gate_wait, gate_pass) of the compiled kernels, or None (polling then left out)."""
     from caffepar.errors import CaffeparError
     from caffepar.nn import native
     try:
         k = native.kernels(np.float32)
     except CaffeparError:       # no compiled kernels: the layers say why
         return None
-    return None if k is None else (k.gate_post, k.gate_wait)
+    return None if k is None else (k.gate_post, k.gate_wait, k.gate_pass)
 
 
 class _Gate:
@@ -350,6 +350,24 @@ class _Gate:
             self.blocked.get()
             spin_ns = 0
 
+    def post_then_wait(self, other, spin_seconds):
+        """other.post(), then self.wait(spin_seconds), holding no GIL in between unless
+        other's waiter must be woken (the thread it wakes wants the GIL at once)."""
+        if self.sync is None:
+            other.post()
+        else:
+            count = self.sync[2](other.address, self.address, self.seen,
+                                 int(spin_seconds * 1e9))
+            if count >= 0:
+                self.seen = count
+                return
+            if count == -1:         # polled in vain, marked blocked
+                self.blocked.get()
+                spin_seconds = 0.0
+            else:                   # other's waiter blocked: nothing waited yet
+                other.blocked.put(None)
+        self.wait(spin_seconds)
+
 
 class _Worker:
     """A thread that runs one function per call of `run_parts` (its share of the parts) and
@@ -363,14 +381,14 @@ class _Worker:
         self.thread.start()
 
     def _loop(self):
+        self.job.wait(self.spin)
         while True:
-            self.job.wait(self.spin)
             try:
                 self.run()
             except BaseException as e:     # raised by the caller, once every part has ended
                 self.error = e
             self.run = None
-            self.done.post()
+            self.job.post_then_wait(self.done, self.spin)
 
     def start(self, run, spin):
         self.run, self.spin, self.error = run, spin, None

@@ -204,9 +204,13 @@ def _bind(lib):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int64, []
         funcs["build"][name] = fn()
-    funcs["sync"] = {}
-    for name, args in (("gate_post", [ctypes.c_void_p]),
-                       ("gate_wait", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64])):
+    # A post is a few atomic operations, made holding the GIL: releasing it would let the
+    # thread posted to take it and hold up the poster. The waits release it.
+    funcs["sync"] = {"gate_post": ctypes.PYFUNCTYPE(ctypes.c_int64, ctypes.c_void_p)(
+        ("gate_post", lib))}
+    for name, args in (("gate_wait", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]),
+                       ("gate_pass", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                      ctypes.c_int64])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int64, args
         funcs["sync"][name] = fn
@@ -233,6 +237,7 @@ class Kernels:
         #: blas.run_parts's signals between threads (sync.inc), the same for every dtype.
         self.gate_post = funcs["sync"]["gate_post"]
         self.gate_wait = funcs["sync"]["gate_wait"]
+        self.gate_pass = funcs["sync"]["gate_pass"]
 
 
 _LOCK = threading.Lock()
