@@ -274,6 +274,132 @@ def test_run_parts_after_fork():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def test_run_parts_keeps_its_workers():
+    """The worker threads persist from call to call (a failing part does not lose one), and
+    two threads calling at once both get their results in order."""
+    import threading
+    ran_on = []
+
+    def part(items):
+        ran_on.append(threading.get_ident())
+        time.sleep(0.001)
+        return [i + 1 for i in items]
+
+    for _ in range(3):
+        assert blas.run_parts(part, [[i] for i in range(8)], 2) == [[i + 1] for i in range(8)]
+    workers = set(ran_on) - {threading.get_ident()}
+    assert len(workers) == 1
+    def fail_on_5(items):
+        if 5 in items:
+            raise ValueError("part 5")
+        return part(items)
+
+    with pytest.raises(ValueError, match="part 5"):
+        blas.run_parts(fail_on_5, [[i] for i in range(8)], 2)
+    ran_on.clear()
+    assert blas.run_parts(part, [[i] for i in range(8)], 2) == [[i + 1] for i in range(8)]
+    assert set(ran_on) - {threading.get_ident()} <= workers
+    assert sum(t.name.startswith("caffepar-part") for t in threading.enumerate()) \
+        == len(blas._WORKERS)
+
+    got = {}
+
+    def call(key):
+        got[key] = blas.run_parts(lambda p: [key, p], list(range(16)), 2)
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got == {k: [[k, i] for i in range(16)] for k in range(4)}
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_gate_posts_and_waits(compiled):
+    """A gate's waiter sees every post, whether it polled (compiled) or blocked first; a poll
+    gives up after its time and leaves the waiter marked blocked, so the post wakes it."""
+    import threading
+    sync = blas._sync() if compiled else None
+    if compiled and sync is None:
+        pytest.skip("no compiled kernels")
+    gate = blas._Gate(sync)
+    if compiled:
+        start = time.perf_counter()
+        assert sync[1](gate.address, 0, 2_000_000) == -1           # 2 ms of polling
+        assert time.perf_counter() - start >= 0.002
+        assert gate.cells[1] == 1
+        assert sync[0](gate.address) == 1                           # the post sees it blocked
+        assert sync[1](gate.address, 0, 0) == 1 and gate.cells[1] == 0
+        gate.seen = 1
+    seen = []
+
+    def waiter():
+        for _ in range(200):
+            gate.wait(0.0005)
+            seen.append(gate.seen)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    for i in range(200):
+        gate.post()
+        if i % 50 == 0:
+            time.sleep(0.003)       # past the poll: the waiter blocks before this post
+        deadline = time.monotonic() + 10
+        while len(seen) <= i and time.monotonic() < deadline:
+            time.sleep(0)
+    t.join(10)
+    first = 2 if compiled else 1
+    assert seen == list(range(first, first + 200))
+
+    # A worker's round: post the end of one piece of work, wait for the next, in one call.
+    ping, pong = blas._Gate(sync), blas._Gate(sync)
+
+    def player():
+        ping.wait(0.0002)
+        for i in range(100):
+            if i % 25 == 0:
+                time.sleep(0.003)   # the other side blocked before this post
+            ping.post_then_wait(pong, 0 if i % 10 == 9 else 0.0002)
+
+    t = threading.Thread(target=player)
+    t.start()
+    for i in range(101):
+        ping.post()
+        if i % 30 == 0:
+            time.sleep(0.003)       # the player blocked before this post
+        if i < 100:
+            pong.wait(0.0002)
+    t.join(10)
+    assert not t.is_alive() and (ping.seen, pong.seen) == (101, 100)
+
+
+def test_run_parts_polls_only_on_quiet_cores(monkeypatch):
+    """Workers poll for the next call only while the cores are not contended: with a long
+    poll allowed, a worker between calls 10 ms apart takes CPU time on quiet cores and none
+    beyond its parts on contended ones (CAFFEPAR_CONTENDED=1)."""
+    if blas._sync() is None or not hasattr(time, "pthread_getcpuclockid"):
+        pytest.skip("no compiled kernels or no per-thread CPU clock")
+    monkeypatch.setattr(blas, "SPIN_SECONDS", 0.005)
+
+    def worker_cpu(contended):
+        monkeypatch.setenv("CAFFEPAR_CONTENDED", str(int(contended)))
+        monkeypatch.setattr(blas, "cores_contended", blas.Contention())
+        blas.run_parts(list, [[i] for i in range(8)], 2)
+        clock = time.pthread_getcpuclockid(blas._WORKERS[0].thread.ident)
+        start = time.clock_gettime(clock)
+        for _ in range(20):
+            time.sleep(0.01)
+            assert blas.run_parts(list, [[i] for i in range(8)], 2) == [[i] for i in range(8)]
+        time.sleep(0.01)
+        return time.clock_gettime(clock) - start, blas._WORKERS[0].spin
+
+    busy, spin = worker_cpu(True)
+    assert spin == 0.0 and busy < 0.02        # polling would take 20 x 5 ms = 0.1 s
+    quiet, spin = worker_cpu(False)
+    assert spin == 0.005 and quiet > busy
+
+
 def test_contention_from_the_run_queue_wait(tmp_path, monkeypatch):
     """Contended while the main thread waited for a core at least CONTENDED_WAIT of the wall
     time since the last reading; read at most once a period; forced by CAFFEPAR_CONTENDED."""

@@ -27,9 +27,9 @@ import itertools
 import logging
 import math
 import os
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -334,11 +334,134 @@ class Contention:
 
 
 cores_contended = Contention()
+#: How long a thread of `run_parts` polls for its next signal (a worker for the next call's
+#: parts, the caller for the workers' end) before it blocks, while the cores are not
+#: contended. Waking a blocked thread costs tens of microseconds (a futex, and in a virtual
+#: machine an interrupt to a halted CPU), twice a call, where small layers' parts take a few
+#: hundred; half of cifar10_quick's calls come within 300 us of the one before. On contended
+#: cores nothing polls: a poll would take a core from the work that would end it.
+SPIN_SECONDS = 300e-6
 _WORKERS = []
+_RUNNING = threading.Lock()     # held while a call hands parts to the workers
 _PART = threading.local()       # .running: this thread is inside a part
+
+
+def _after_fork():
+    """A forked child has none of the parent's threads: its workers would never run a part,
+    and a call the parent's other thread was making would hold the lock for good."""
+    global _RUNNING
+    _WORKERS.clear()
+    _RUNNING = threading.Lock()
+
+
 if hasattr(os, "register_at_fork"):
-    # A forked child has none of the parent's threads: its executors would never run a part.
-    os.register_at_fork(after_in_child=_WORKERS.clear)
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+def _sync():
+    """(gate_post, gate_wait, gate_pass) of the compiled kernels, or None (polling then left out)."""
+    from caffepar.errors import CaffeparError
+    from caffepar.nn import native
+    try:
+        k = native.kernels(np.float32)
+    except CaffeparError:       # no compiled kernels: the layers say why
+        return None
+    return None if k is None else (k.gate_post, k.gate_wait, k.gate_pass)
+
+
+class _Gate:
+    """A count one thread raises and one other thread waits on: polled without the GIL for
+    up to a given time (the compiled gate_wait), then blocked on a queue until posted. Without
+    the compiled kernels, the same protocol under a lock, never polled."""
+
+    def __init__(self, sync):
+        cells = np.zeros(16, np.int64)      # [0] signals, [1] waiter blocked, own cache line
+        self.cells = cells[(-cells.ctypes.data % 64) // 8:][:2]
+        self.address = self.cells.ctypes.data
+        self.sync = sync
+        self.lock = threading.Lock()
+        self.blocked = queue.SimpleQueue()
+        self.seen = 0
+
+    def post(self):
+        if self.sync is not None:
+            blocked = self.sync[0](self.address)
+        else:
+            with self.lock:
+                self.cells[0] += 1
+                blocked = self.cells[1]
+        if blocked:
+            self.blocked.put(None)
+
+    def _look(self, spin_ns):
+        if self.sync is not None:
+            return self.sync[1](self.address, self.seen, spin_ns)
+        with self.lock:
+            if self.cells[0] != self.seen:
+                self.cells[1] = 0
+                return int(self.cells[0])
+            self.cells[1] = 1
+            return -1
+
+    def wait(self, spin_seconds):
+        spin_ns = int(spin_seconds * 1e9)
+        while True:
+            count = self._look(spin_ns)
+            if count >= 0:
+                self.seen = count
+                return
+            self.blocked.get()
+            spin_ns = 0
+
+    def post_then_wait(self, other, spin_seconds):
+        """other.post(), then self.wait(spin_seconds), holding no GIL in between unless
+        other's waiter must be woken (the thread it wakes wants the GIL at once)."""
+        if self.sync is None:
+            other.post()
+        else:
+            count = self.sync[2](other.address, self.address, self.seen,
+                                 int(spin_seconds * 1e9))
+            if count >= 0:
+                self.seen = count
+                return
+            if count == -1:         # polled in vain, marked blocked
+                self.blocked.get()
+                spin_seconds = 0.0
+            else:                   # other's waiter blocked: nothing waited yet
+                other.blocked.put(None)
+        self.wait(spin_seconds)
+
+
+class _Worker:
+    """A thread that runs one function per call of `run_parts` (its share of the parts) and
+    then waits for the next, polling for as long as the call it ended said."""
+
+    def __init__(self, sync):
+        self.job, self.done = _Gate(sync), _Gate(sync)
+        self.run = self.error = None
+        self.spin = 0.0
+        self.thread = threading.Thread(target=self._loop, name="caffepar-part", daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        self.job.wait(self.spin)
+        while True:
+            try:
+                self.run()
+            except BaseException as e:     # raised by the caller, once every part has ended
+                self.error = e
+            self.run = None
+            self.job.post_then_wait(self.done, self.spin)
+
+    def start(self, run, spin):
+        self.run, self.spin, self.error = run, spin, None
+        self.job.post()
+
+    def join(self, spin):
+        """The error its function raised, or None, once it has ended."""
+        self.done.wait(spin)
+        error, self.error = self.error, None
+        return error
 
 
 def split_parts(items, count=None):
@@ -362,14 +485,24 @@ def run_parts(fn, parts, workers=None):
     too; a thread slowed by other load on the machine just takes fewer parts. fn must keep its
     scratch arrays per thread. Results come back in part order whichever thread ran them, so
     sums over them round the same way every run. A part that raises stops the hand-out and
-    re-raises here once the running parts have ended."""
+    re-raises here once the running parts have ended. The workers are persistent threads that
+    poll briefly for the next call (`SPIN_SECONDS`) on cores not contended; a call made while
+    another thread's call holds them runs its parts in place."""
     workers = min(blas_threads() if workers is None else workers, len(parts))
-    if workers <= 1 or getattr(_PART, "running", False):
+    if (workers <= 1 or getattr(_PART, "running", False)
+            or not _RUNNING.acquire(blocking=False)):
         return [fn(part) for part in parts]
-    with _THREADS_LOCK:
-        while len(_WORKERS) < workers - 1:
-            _WORKERS.append(ThreadPoolExecutor(1, thread_name_prefix="caffepar-part"))
-        pools = _WORKERS[:workers - 1]
+    try:
+        if len(_WORKERS) < workers - 1:
+            sync = _sync()
+            while len(_WORKERS) < workers - 1:
+                _WORKERS.append(_Worker(sync))
+        return _hand_out(fn, parts, _WORKERS[:workers - 1])
+    finally:
+        _RUNNING.release()
+
+
+def _hand_out(fn, parts, pool):
     results = [None] * len(parts)
     order = itertools.count()
     failed = []
@@ -388,15 +521,17 @@ def run_parts(fn, parts, workers=None):
         finally:
             _PART.running = False
 
+    spin = 0.0 if cores_contended() else SPIN_SECONDS
     with single_threaded_blas():
-        futures = [pool.submit(drain) for pool in pools]
+        for w in pool:
+            w.start(drain, spin)
         try:
             drain()
         finally:
-            for f in futures:
-                f.exception()   # waits for it, without the waiter objects of wait()
-    for f in futures:
-        f.result()
+            errors = [w.join(spin) for w in pool]
+    for error in errors:
+        if error is not None:
+            raise error
     return results
 
 

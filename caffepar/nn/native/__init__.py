@@ -1,6 +1,7 @@
 """Compiled kernels for the work BLAS does not do (or does poorly): pooling, LRN, ReLU's
 backward and Dropout, the direct convolution engine, the Winograd transforms, Caffe's Im2col
-layer, InnerProduct on a small batch and the solver update.
+layer, InnerProduct on a small batch and the solver update; and the polling waits between
+``blas.run_parts``'s threads (sync.inc).
 
 They are C (``*.c`` beside this file), compiled on first use by the machine's C compiler with
 ``-O3 -march=native`` -- code for this CPU's own instruction set (AVX2, AVX-512, ...) -- into a
@@ -214,6 +215,16 @@ def _bind(lib):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int64, []
         funcs["build"][name] = fn()
+    # A post is a few atomic operations, made holding the GIL: releasing it would let the
+    # thread posted to take it and hold up the poster. The waits release it.
+    funcs["sync"] = {"gate_post": ctypes.PYFUNCTYPE(ctypes.c_int64, ctypes.c_void_p)(
+        ("gate_post", lib))}
+    for name, args in (("gate_wait", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]),
+                       ("gate_pass", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                      ctypes.c_int64])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int64, args
+        funcs["sync"][name] = fn
     kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "d": ctypes.c_double}
     for name, sig in SIGNATURES.items():
         for suffix in SUFFIX.values():
@@ -228,12 +239,16 @@ class Kernels:
     """The kernels of one dtype: ``k.max_pool_forward(...)`` calls ``max_pool_forward_f32``."""
 
     def __init__(self, funcs, suffix):
-        for (name, s), fn in ((k, f) for k, f in funcs.items() if k != "build"):
+        for (name, s), fn in ((k, f) for k, f in funcs.items() if k not in ("build", "sync")):
             if s == suffix:
                 setattr(self, name, fn)
         #: The vector width (bytes) and register count the library was built for.
         self.vector_bytes = funcs["build"]["native_bytes"]
         self.registers = funcs["build"]["native_regs"]
+        #: blas.run_parts's signals between threads (sync.inc), the same for every dtype.
+        self.gate_post = funcs["sync"]["gate_post"]
+        self.gate_wait = funcs["sync"]["gate_wait"]
+        self.gate_pass = funcs["sync"]["gate_pass"]
 
 
 _LOCK = threading.Lock()

@@ -62,6 +62,7 @@ typedef int64_t i64;
 #ifndef ONLY_F64
 i64 native_bytes(void) { return NATIVE_BYTES; }
 i64 native_regs(void) { return NATIVE_REGS; }
+#include "sync.inc"
 #endif
 
 /* The other kernels repeat the NumPy code's roundings exactly (the build passes
