@@ -610,7 +610,12 @@ def test_engine_per_pass(cs, forward, backward, tmp_path, monkeypatch):
     assert len(measured) == count
     assert cm.conv_engine(x.shape[2:], w.shape, *args, batch=x.shape[0]) == \
         f"forward {forward}, backward {backward}"
+    # A Deconvolution runs the passes the other way round: its forward the dx, its backward
+    # the dw and the forward.
     close(cm.deconv_forward(dy, w, None, *args), ref_deconv(dy, w, None, *args), 1e-10)
+    dx, dw, _ = cm.deconv_backward(x, dy, w, *args)
+    close(dx, ref_conv(x, w, None, *args), 1e-10)
+    close(dw, ref_conv_grads(dy, x, w, *args)[1], 1e-10)
 
 
 DIRECT_CASES = [cs for cs in CASES if len(cs[2]) == 2] + [
