@@ -47,13 +47,20 @@ def benchmark(net, iterations, progress=None, comm=None, options=None, cost_mode
     laps = []
     clock = time.perf_counter
     # One untimed pass without communication: first-touch allocations, and the first run of a
-    # convolution shape on this machine measures its engine (caffepar.nn.conv.calibrate).
+    # layer shape on this machine measures its engines (caffepar.nn.calibrate); in one process
+    # a second when it did, since a measurement frees the work arrays the passes before it had
+    # allocated (ranks run as many passes as each other: model-parallel layers communicate).
+    from caffepar.nn import calibrate
     observers, net.observers = net.observers, []
     try:
-        for i in range(n):
-            net.forward_layer(i)
-        for i in range(n - 1, -1, -1):
-            net.backward_layer(i)
+        for _ in range(2 if comm is None or comm.size == 1 else 1):
+            before = calibrate.measured()
+            for i in range(n):
+                net.forward_layer(i)
+            for i in range(n - 1, -1, -1):
+                net.backward_layer(i)
+            if calibrate.measured() == before:
+                break
     finally:
         net.observers = observers
     if comm is not None:

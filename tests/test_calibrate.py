@@ -239,3 +239,23 @@ def test_inner_product_engine_per_pass(cache, monkeypatch):
         np.testing.assert_allclose(net.layers[1].blobs[0].diff, dy.T @ x, **tol)
         assert ran == [("_forward", forward), ("_backward", backward)]
         assert net.layers[1].engine((5, 70)) == f"forward {forward}, backward {backward}"
+
+
+def test_time_warms_up_again_after_measuring(cache, monkeypatch):
+    """A measurement frees the work arrays of the passes before it: `caffepar time` runs a
+    second untimed pass when the first measured engines, and one when they were cached."""
+    from google.protobuf import text_format
+
+    from caffepar.graph.net import TRAIN, Net
+    from caffepar.proto import caffe_pb2
+    from caffepar.timing import benchmark
+    pass_timer(monkeypatch, {"forward": {"grid", "wide"}, "backward": {"im2col", "blas"}})
+    for warm in (2, 1):
+        net = Net(text_format.Parse(NET, caffe_pb2.NetParameter()), TRAIN)
+        passes = []
+        forward_layer = net.forward_layer
+        monkeypatch.setattr(net, "forward_layer",
+                            lambda i, *a: (passes.append(i) if i == 0 else None,
+                                           forward_layer(i, *a))[1])
+        benchmark(net, 1)
+        assert len(passes) == warm + 1

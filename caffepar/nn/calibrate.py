@@ -49,6 +49,7 @@ TIE = 0.03
 _LOCK = threading.RLock()
 _chosen = {}            # cache file path -> {key: engine}
 _measuring = threading.local()
+_measured = [0]         # choices measured in this process
 
 
 def mode():
@@ -110,6 +111,11 @@ def _save(path, key, entry):
 def measuring():
     """True inside a measurement (nested shapes then take their rule or cached engine)."""
     return getattr(_measuring, "on", False)
+
+
+def measured():
+    """How many choices this process has measured (not found in the cache)."""
+    return _measured[0]
 
 
 @contextlib.contextmanager
@@ -174,6 +180,7 @@ def choose(key, candidates, timing, describe):
         # The work arrays every candidate left behind: only the chosen one's come back.
         from caffepar.nn.blas import release_workspace
         release_workspace()
+        _measured[0] += 1
         engine = _pick(times, candidates)
         log.info("Convolution %s: engine %s (%s; measured once in %.1f s)", describe, engine,
                  ", ".join(f"{e} {1e3 * t:.1f} ms" for e, t in sorted(times.items(),
