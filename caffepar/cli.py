@@ -185,8 +185,8 @@ ALLOW_MISSING_OPTION = click.option(
                    "that `caffepar plan --profile-file` predicts iterations from (one "
                    "process, no --np).")
 @click.option("--engines", "show_engines", is_flag=True,
-              help="Print each Convolution and InnerProduct layer's engine and by how much it "
-                   "won when measured on this CPU.")
+              help="Print each Convolution and InnerProduct layer's engine per pass and by how "
+                   "much it won when measured on this CPU.")
 @click.option("--memory", "show_memory", is_flag=True,
               help="Print the memory floor (parameters, activations and their diffs), the "
                    "measured peak and the largest blobs.")

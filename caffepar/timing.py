@@ -47,13 +47,20 @@ def benchmark(net, iterations, progress=None, comm=None, options=None, cost_mode
     laps = []
     clock = time.perf_counter
     # One untimed pass without communication: first-touch allocations, and the first run of a
-    # convolution shape on this machine measures its engine (caffepar.nn.conv.calibrate).
+    # layer shape on this machine measures its engines (caffepar.nn.calibrate); in one process
+    # a second when it did, since a measurement frees the work arrays the passes before it had
+    # allocated (ranks run as many passes as each other: model-parallel layers communicate).
+    from caffepar.nn import calibrate
     observers, net.observers = net.observers, []
     try:
-        for i in range(n):
-            net.forward_layer(i)
-        for i in range(n - 1, -1, -1):
-            net.backward_layer(i)
+        for _ in range(2 if comm is None or comm.size == 1 else 1):
+            before = calibrate.measured()
+            for i in range(n):
+                net.forward_layer(i)
+            for i in range(n - 1, -1, -1):
+                net.backward_layer(i)
+            if calibrate.measured() == before:
+                break
     finally:
         net.observers = observers
     if comm is not None:
@@ -97,27 +104,32 @@ def benchmark(net, iterations, progress=None, comm=None, options=None, cost_mode
 
 
 def engine_lines(net):
-    """Per layer with a choice of engines (Convolution, InnerProduct): the engine it runs on and
-    by how much it won when it was measured (the runner-up's time / its own)."""
+    """Per layer with a choice of engines (Convolution, InnerProduct): the engine each of its
+    passes runs on and by how much it won when it was measured (the runner-up's time / its
+    own)."""
     from caffepar.nn import calibrate
     lines = []
     for i, layer in enumerate(net.layers):
-        if not hasattr(layer, "engine"):
+        if not hasattr(layer, "engine_choices"):
             continue
-        calibrate.last_choice(clear=True)
-        engine = layer.engine(net.blob_list[net.bottom_ids[i][0]].shape)
-        entry = calibrate.last_choice()
-        won = calibrate.margin(entry) if entry and entry.get("engine") == engine else None
-        if won is None:
-            how = "no measured alternative (one engine able, or rules)"
-        else:
-            runner, ratio = won
-            ms = entry["ms"]
-            how = (f"{ms[engine]:.2f} ms vs {runner} {ms[runner]:.2f} ms: " +
-                   (f"won by {ratio:.2f}x" if ratio >= 1 + calibrate.TIE else
-                    f"a tie (within {100 * calibrate.TIE:.0f}%), the first listed kept"))
-        lines.append(f"{net._layer_names[i]}\t{layer.type}\t{engine}\t{how}")
+        choices = layer.engine_choices(net.blob_list[net.bottom_ids[i][0]].shape)
+        how = "; ".join(f"{part} {engine}: {_margin_words(entry)}"
+                        for part, (engine, entry) in choices.items())
+        lines.append(f"{net._layer_names[i]}\t{layer.type}\t{calibrate.describe(choices)}\t"
+                     f"{how}")
     return lines
+
+
+def _margin_words(entry):
+    from caffepar.nn import calibrate
+    won = calibrate.margin(entry) if entry else None
+    if won is None:
+        return "no measured alternative (one engine able, forced, or rules)"
+    runner, ratio = won
+    ms = entry["ms"]
+    return (f"{ms[entry['engine']]:.2f} ms vs {runner} {ms[runner]:.2f} ms, " +
+            (f"won by {ratio:.2f}x" if ratio >= 1 + calibrate.TIE else
+             f"a tie (within {100 * calibrate.TIE:.0f}%), the first listed kept"))
 
 
 def format_benchmark(net, result, engines=False):
@@ -156,7 +168,7 @@ def format_benchmark(net, result, engines=False):
     lines += [f"Average Forward-Backward: {np.mean(result.iteration_ms):.4f} ms.",
               f"Total Time: {result.total_ms:.4f} ms."]
     if engines:
-        lines += ["Engines (layer, type, engine, its measured time vs the runner-up's):"]
+        lines += ["Engines (layer, type, engine, each pass's measured time vs the runner-up's):"]
         lines += ["    " + line for line in engine_lines(net)]
     lines += ["*** Benchmark ends ***"]
     return "\n".join(lines)

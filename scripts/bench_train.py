@@ -107,7 +107,7 @@ def time_command(command, name, iterations):
 
 def conv_engines(solver):
     net = solver.net
-    return " ".join(f"{net._layer_names[i]}:{layer.engine(net.blob_list[net.bottom_ids[i][0]].shape)}"
+    return "; ".join(f"{net._layer_names[i]}:{layer.engine(net.blob_list[net.bottom_ids[i][0]].shape)}"
                     for i, layer in enumerate(net.layers) if layer.type == "Convolution")
 
 

@@ -257,7 +257,7 @@ def main():
                 builds=", ".join(f"{v}={os.environ[v]}" for v in
                                  ("CAFFEPAR_CFLAGS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
                                   "OPENBLAS_CORETYPE") if os.environ.get(v)),
-                engines=" ".join(f"{ours.net._layer_names[i]}:"
+                engines="; ".join(f"{ours.net._layer_names[i]}:"
                                  f"{layer.engine(ours.net.blob_list[ours.net.bottom_ids[i][0]].shape)}"
                                  for i, layer in enumerate(ours.net.layers)
                                  if layer.type == "Convolution"))

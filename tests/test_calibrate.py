@@ -2,6 +2,7 @@
 settled as a tie by the candidates' order, the cache kept per CPU model and build, and
 `caffepar time --engines` printing the choice and its margin."""
 
+import numpy as np
 import pytest
 
 from caffepar.cli import main
@@ -101,9 +102,35 @@ def test_cache_per_cpu_model_and_build(cache, monkeypatch):
     assert calibrate._hashed_path(native) != first
 
 
-def test_time_engines_prints_choice_and_margin(cache, tmp_path, monkeypatch, capsys):
-    model = tmp_path / "net.prototxt"
-    model.write_text(NET)
+ORDER = ("direct", "winograd", "pointwise", "band", "im2col", "grid", "wide", "rows", "blas")
+
+
+def pass_timer(monkeypatch, fastest):
+    """Measured choices faked per pass: every engine runs as timed, and those `fastest` names
+    for the pass being chosen ("forward" or "backward": engines) take 1 s, the others 2 s or
+    more (in ORDER). Returns the keys measured, one per timed run."""
+    measured, choosing = [], []
+    choose = calibrate.choose
+
+    def chosen(key, *args):
+        choosing.append(key)
+        try:
+            return choose(key, *args)
+        finally:
+            choosing.pop()
+
+    def timed(run, engine):
+        run(engine)
+        measured.append(choosing[-1])
+        part = "forward" if choosing[-1].rsplit(" t", 1)[0].endswith(" forward") else "backward"
+        return 1.0 if engine in fastest[part] else 2.0 + 0.1 * ORDER.index(engine)
+
+    monkeypatch.setattr(calibrate, "choose", chosen)
+    monkeypatch.setattr(calibrate, "_timed", timed)
+    return measured
+
+
+def run_time(model, capsys):
     with pytest.raises(SystemExit) as done:
         main(["time", "--model", str(model), "--iterations", "1", "--engines"])
     out, err = capsys.readouterr()
@@ -111,12 +138,124 @@ def test_time_engines_prints_choice_and_margin(cache, tmp_path, monkeypatch, cap
     section = out.split("Engines (layer, type, engine")[1].split("*** Benchmark ends")[0]
     lines = {line.split("\t")[0].strip(): line.split("\t") for line in
              section.strip().splitlines()[1:]}
+    return out, lines
+
+
+def test_time_engines_prints_choice_and_margin(cache, tmp_path, monkeypatch, capsys):
+    """Each pass's engine and its margin, as measured and kept in the cache under the pass's
+    key (conv1's bottom wants no diff: its backward has none)."""
+    model = tmp_path / "net.prototxt"
+    model.write_text(NET)
+    out, lines = run_time(model, capsys)
     assert set(lines) == {"conv1", "ip1"}
-    name, kind, engine, how = lines["conv1"]
+    name, kind, engines, how = lines["conv1"]
     assert kind == "Convolution" and lines["ip1"][1] == "InnerProduct"
-    assert ("won by" in how or "a tie" in how) and " ms vs " in how
-    entry = calibrate._load(calibrate._cache_file())
-    conv = [v for k, v in entry.items() if k.startswith("2x3x12x12 8 k3x3")]
-    assert conv and conv[0]["engine"] == engine
-    runner, ratio = calibrate.margin(conv[0])
-    assert f"vs {runner} " in how
+    entries = calibrate._load(calibrate._cache_file())
+    conv = {k.rsplit(" t", 1)[0].split(" float32 ")[1]: v for k, v in entries.items()
+            if k.startswith("2x3x12x12 8 k3x3")}
+    assert set(conv) == {"forward", "backward no dx"}
+    parts = how.split("; ")
+    assert len(parts) == 2
+    for part, said in zip(("forward", "backward no dx"), parts):
+        entry = conv[part]
+        runner, ratio = calibrate.margin(entry)
+        assert said.startswith(f"{part.split()[0]} {entry['engine']}: "
+                               f"{entry['ms'][entry['engine']]:.2f} ms vs {runner} ")
+        assert "won by" in said or "a tie" in said
+    assert engines == calibrate.describe({p: (e["engine"], e) for p, e in conv.items()})
+    assert f"engine: {engines}\n" in out
+
+
+def test_time_prints_both_engines_when_passes_differ(cache, tmp_path, monkeypatch, capsys):
+    """A layer whose passes run different engines says so, in the per-layer lines and with
+    --engines; a second run (another process) reads every pass's choice from the cache."""
+    if native.kernels("float32") is None:
+        pytest.skip("compiled kernels unavailable: InnerProduct has one engine")
+    model = tmp_path / "net.prototxt"
+    model.write_text(NET)
+    measured = pass_timer(monkeypatch, {"forward": {"grid", "wide"},
+                                        "backward": {"im2col", "blas"}})
+    out, lines = run_time(model, capsys)
+    assert "engine: forward grid, backward im2col\n" in out
+    assert "engine: forward wide, backward blas\n" in out
+    # The runner-up: direct where the compiled kernels are, else band.
+    runner = lines["conv1"][3].split(" vs ")[1].split()[0]
+    ms = f"{2000 + 100 * ORDER.index(runner):.2f}"
+    assert runner in ("direct", "band") and lines["conv1"][2:] == [
+        "forward grid, backward im2col",
+        f"forward grid: 1000.00 ms vs {runner} {ms} ms, won by {float(ms) / 1000:.2f}x; "
+        f"backward im2col: 1000.00 ms vs {runner} {ms} ms, won by {float(ms) / 1000:.2f}x"]
+    assert lines["ip1"][2:] == [
+        "forward wide, backward blas",
+        "forward wide: 1000.00 ms vs rows 2700.00 ms, won by 2.70x; "
+        "backward blas: 1000.00 ms vs wide 2600.00 ms, won by 2.60x"]
+    count = len(measured)
+    assert count and {k.rsplit(" t", 1)[0].split(" float32 ")[1] for k in measured} == \
+        {"forward", "backward", "backward no dx"}
+    monkeypatch.setattr(calibrate, "_chosen", {})
+    out, again = run_time(model, capsys)
+    assert len(measured) == count and again == lines
+
+
+def test_inner_product_engine_per_pass(cache, monkeypatch):
+    """An InnerProduct's forward runs the engine fastest for the forward and its backward
+    (dW and dx) the one fastest for the backward: the results of y = x W^T + b, dx = dy W and
+    dW = dy^T x all the same."""
+    from google.protobuf import text_format
+
+    from caffepar.graph.net import TRAIN, Net
+    from caffepar.nn import inner_product
+    from caffepar.proto import caffe_pb2
+    if native.kernels("float32") is None:
+        pytest.skip("compiled kernels unavailable: InnerProduct has one engine")
+    text = """force_backward: true
+      layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 5 dim: 70 } } }
+      layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y"
+        inner_product_param { num_output: 40 weight_filler { type: "gaussian" }
+                              bias_filler { type: "gaussian" } } }"""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 70)).astype(np.float32)
+    dy = rng.standard_normal((5, 40)).astype(np.float32)
+    ran = []
+    for step in ("_forward", "_backward"):
+        fn = getattr(inner_product, step)
+        monkeypatch.setattr(inner_product, step, lambda engine, *a, fn=fn, step=step:
+                            ran.append((step, engine)) or fn(engine, *a))
+    for forward, backward in (("wide", "blas"), ("blas", "rows"), ("rows", "wide")):
+        monkeypatch.setattr(calibrate, "_chosen", {})
+        calibrate._cache_file().unlink(missing_ok=True)
+        pass_timer(monkeypatch, {"forward": {forward}, "backward": {backward}})
+        net = Net(text_format.Parse(text, caffe_pb2.NetParameter()), TRAIN)
+        net.forward(x=x)                    # measures the forward pass
+        net.backward(y=dy)                  # and the backward
+        del ran[:]
+        y = net.forward(x=x)["y"].copy()
+        net.clear_param_diffs()
+        dx = net.backward(y=dy)["x"]
+        w, b = (blob.data.astype(np.float64) for blob in net.layers[1].blobs)
+        tol = dict(rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(y, x @ w.T + b, **tol)
+        np.testing.assert_allclose(dx, dy @ w, **tol)
+        np.testing.assert_allclose(net.layers[1].blobs[0].diff, dy.T @ x, **tol)
+        assert ran == [("_forward", forward), ("_backward", backward)]
+        assert net.layers[1].engine((5, 70)) == f"forward {forward}, backward {backward}"
+
+
+def test_time_warms_up_again_after_measuring(cache, monkeypatch):
+    """A measurement frees the work arrays of the passes before it: `caffepar time` runs a
+    second untimed pass when the first measured engines, and one when they were cached."""
+    from google.protobuf import text_format
+
+    from caffepar.graph.net import TRAIN, Net
+    from caffepar.proto import caffe_pb2
+    from caffepar.timing import benchmark
+    pass_timer(monkeypatch, {"forward": {"grid", "wide"}, "backward": {"im2col", "blas"}})
+    for warm in (2, 1):
+        net = Net(text_format.Parse(NET, caffe_pb2.NetParameter()), TRAIN)
+        passes = []
+        forward_layer = net.forward_layer
+        monkeypatch.setattr(net, "forward_layer",
+                            lambda i, *a: (passes.append(i) if i == 0 else None,
+                                           forward_layer(i, *a))[1])
+        benchmark(net, 1)
+        assert len(passes) == warm + 1

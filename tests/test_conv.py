@@ -8,6 +8,7 @@ import pytest
 from caffepar.nn import conv as cm
 from caffepar.nn.blas import blas_threads
 from caffepar.nn.conv import band, cols, direct, geometry, grid, winograd
+from test_calibrate import pass_timer
 
 pytestmark = pytest.mark.usefixtures("kernel_path")
 
@@ -533,21 +534,26 @@ def test_engine_measured_once_and_cached(tmp_path, monkeypatch, kernel_path):
     able = dispatch.candidates(g, 3, 1, np.dtype(np.float32))
     assert able == ["direct"] * (kernel_path == "native") + ["winograd", "band", "im2col", "grid"]
     assert cm.conv_engine(*shape, batch=2) == "im2col"
-    # Every engine once, then the rounds on those within 2x of the best (im2col alone).
-    per_shape = len(able) + calibrate.ROUNDS
-    assert sorted(set(timed)) == sorted(able) and len(timed) == per_shape
-    assert timed[len(able):] == ["im2col"] * calibrate.ROUNDS
-    assert cm.conv_engine(*shape, batch=2) == "im2col" and len(timed) == per_shape
+    # Per pass (forward, backward): every engine once, then the rounds on those within 2x of
+    # the best (im2col alone).
+    per_pass = len(able) + calibrate.ROUNDS
+    assert sorted(set(timed)) == sorted(able) and len(timed) == 2 * per_pass
+    assert timed[len(able):per_pass] == ["im2col"] * calibrate.ROUNDS
+    assert cm.conv_engine(*shape, batch=2) == "im2col" and len(timed) == 2 * per_pass
     monkeypatch.setattr(calibrate, "_chosen", {})         # another process: reads the file
-    assert cm.conv_engine(*shape, batch=2) == "im2col" and len(timed) == per_shape
-    (entry,) = calibrate._load(calibrate._cache_file()).items()
-    assert entry[0].startswith("2x3x9x9 4 k3x3 s1x1 p1x1 d1x1 g1 float32")
-    assert entry[1]["engine"] == "im2col" and entry[1]["ms"]["im2col"] == 1000.0
-    assert cm.conv_engine(*shape, batch=3) == "im2col" and len(timed) == 2 * per_shape
-    assert cm.conv_engine(*shape, batch=3, need_dx=False) == "im2col"    # a first layer
-    assert len(timed) == 3 * per_shape
-    assert any(k.endswith(" no dx t" + str(blas_threads())) for k in
-               calibrate._load(calibrate._cache_file()))
+    assert cm.conv_engine(*shape, batch=2) == "im2col" and len(timed) == 2 * per_pass
+    entries = calibrate._load(calibrate._cache_file())
+    threads = f" t{blas_threads()}"
+    assert sorted(entries) == ["2x3x9x9 4 k3x3 s1x1 p1x1 d1x1 g1 float32 " + p + threads
+                               for p in ("backward", "forward")]
+    assert all(e["engine"] == "im2col" and e["ms"]["im2col"] == 1000.0
+               for e in entries.values())
+    assert cm.conv_engine(*shape, batch=3) == "im2col" and len(timed) == 4 * per_pass
+    # A first layer: its forward is the one measured already, its backward has no dx.
+    assert cm.conv_engine(*shape, batch=3, need_dx=False) == "im2col"
+    assert len(timed) == 5 * per_pass
+    assert any(k.endswith(" backward no dx" + threads)
+               for k in calibrate._load(calibrate._cache_file()))
     monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "grid")
     assert cm.conv_engine(*shape, batch=2) == "grid"
     monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "pointwise")      # cannot run 3x3: the rule
@@ -557,6 +563,59 @@ def test_engine_measured_once_and_cached(tmp_path, monkeypatch, kernel_path):
         monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", engine)
         close(cm.conv_forward(x, w, b, (1, 1), (1, 1), (1, 1), 1),
               ref_conv(x, w, b, (1, 1), (1, 1), (1, 1), 1), 1e-10)
+
+
+@pytest.mark.parametrize("cs", [case(3, 3, (7, 7), 4, 3, 1, 1),
+                                case(2, 16, (7, 7), 5, 3, 1, 1),       # dx by flipped kernel
+                                case(2, 8, (9, 8), 4, (3, 2), 1, (2, 1), (2, 1))], ids=ids)
+@pytest.mark.parametrize("forward,backward", [("direct", "im2col"), ("im2col", "direct"),
+                                              ("grid", "im2col")])
+def test_engine_per_pass(cs, forward, backward, tmp_path, monkeypatch):
+    """Measured per pass, a layer's forward runs the engine fastest for the forward alone and
+    its backward the one fastest for the backward: the same results as the references (as one
+    engine gives), each pass's choice under a key of its own in the cache, read back by another
+    process without measuring."""
+    from caffepar.nn import calibrate
+    from caffepar.nn.conv import dispatch
+    x, w, b, dy = make(cs)
+    args = cs[5:]
+    g = geometry.Geom(x.shape[2:], w.shape[2:], *args[:3])
+    if not {forward, backward} <= set(dispatch.candidates(g, w.shape[1], args[3], x.dtype)):
+        pytest.skip("an engine this shape (or kernel path) does not take")
+    monkeypatch.setenv("CAFFEPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "measure")
+    monkeypatch.setattr(calibrate, "_chosen", {})
+    measured = pass_timer(monkeypatch, {"forward": {forward}, "backward": {backward}})
+    ran = []
+    for module, name in ((direct, "direct"), (cols, "im2col"), (grid, "grid")):
+        for step in ("forward", "backward"):
+            fn = getattr(module, step)
+            monkeypatch.setattr(module, step, lambda *a, fn=fn, tag=f"{name} {step}":
+                                ran.append(tag) or fn(*a))
+    cm.conv_forward(x, w, b, *args)                        # measures the forward pass
+    cm.conv_backward(dy, x, w, *args)                      # and the backward
+    keys = sorted(calibrate._load(calibrate._cache_file()))
+    assert [k.rsplit(" t", 1)[0].split(" float64 ")[1] for k in keys
+            if k.startswith(f"{x.shape[0]}x{x.shape[1]}x")] == ["backward", "forward"]
+    monkeypatch.setattr(calibrate, "_chosen", {})         # another process: reads the file
+    count = len(measured)
+    del ran[:]
+    close(cm.conv_forward(x, w, b, *args), ref_conv(x, w, b, *args), 1e-10)
+    assert ran == [f"{forward} forward"]
+    del ran[:]
+    for got, want in zip(cm.conv_backward(dy, x, w, *args), ref_conv_grads(dy, x, w, *args)):
+        close(got, want, 1e-10)
+    # im2col's dx of many channels is a forward convolution, on the forward's choice.
+    assert f"{backward} backward" in ran and f"{forward} backward" not in ran
+    assert len(measured) == count
+    assert cm.conv_engine(x.shape[2:], w.shape, *args, batch=x.shape[0]) == \
+        f"forward {forward}, backward {backward}"
+    # A Deconvolution runs the passes the other way round: its forward the dx, its backward
+    # the dw and the forward.
+    close(cm.deconv_forward(dy, w, None, *args), ref_deconv(dy, w, None, *args), 1e-10)
+    dx, dw, _ = cm.deconv_backward(x, dy, w, *args)
+    close(dx, ref_conv(x, w, None, *args), 1e-10)
+    close(dw, ref_conv_grads(dy, x, w, *args)[1], 1e-10)
 
 
 DIRECT_CASES = [cs for cs in CASES if len(cs[2]) == 2] + [

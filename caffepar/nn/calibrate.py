@@ -10,6 +10,10 @@ holds everywhere. The cache file's name is a hash of everything the timing depen
 CPU model and its features, the engine code and the flags the kernels are built with, the BLAS,
 the kernel path -- and each entry's key holds the thread count too.
 
+Each pass is chosen on its own -- a layer's forward, and its backward (the gradients it
+computes: dw and db, and dx when the bottom wants it) -- since the engine fastest for one is
+often not the fastest for the other, and no engine's backward uses what its forward left.
+
 A choice must hold between runs: when two engines come out close, they are timed again in
 alternating rounds until one is clearly ahead (by CLEAR) or the rounds run out; then a tie
 (within TIE) goes to the one listed first, whichever happened to be faster this time. Each entry
@@ -47,6 +51,7 @@ TIE = 0.03
 _LOCK = threading.RLock()
 _chosen = {}            # cache file path -> {key: engine}
 _measuring = threading.local()
+_measured = [0]         # choices measured in this process
 
 
 def mode():
@@ -110,6 +115,11 @@ def measuring():
     return getattr(_measuring, "on", False)
 
 
+def measured():
+    """How many choices this process has measured (not found in the cache)."""
+    return _measured[0]
+
+
 @contextlib.contextmanager
 def _measurement():
     _measuring.on = True
@@ -119,30 +129,60 @@ def _measurement():
         _measuring.on = False
 
 
+def backward_pass(need_dx, need_dw):
+    """The name of the backward pass a layer runs (its cache keys end in it): "backward" (dw
+    and dx), "backward no dx" (a bottom that wants no diff) or "backward dx" (frozen weights,
+    a Deconvolution's forward)."""
+    if need_dx and need_dw:
+        return "backward"
+    return "backward dx" if need_dx else "backward no dx"
+
+
+def _entry(chosen, key, candidates):
+    entry = chosen.get(key)
+    if isinstance(entry, str):          # written before the times were kept
+        entry = {"engine": entry, "ms": {}}
+    if isinstance(entry, dict) and entry.get("engine") in candidates:
+        return entry
+    return None
+
+
+def _chosen_in(path):
+    chosen = _chosen.get(path)
+    if chosen is None:
+        chosen = _chosen[path] = _load(path)
+    return chosen
+
+
+def cached(key, candidates):
+    """The engine chosen for `key` before, without measuring, or None."""
+    with _LOCK:
+        entry = _entry(_chosen_in(_cache_file()), key, candidates)
+    return None if entry is None else entry["engine"]
+
+
 def choose(key, candidates, timing, describe):
-    """The engine for a shape: cached, or the fastest of `candidates` measured now and cached;
-    timing() makes run(engine), one forward + backward. `describe` names the shape in the
-    log."""
+    """The engine for a shape's pass: cached, or the fastest of `candidates` measured now and
+    cached; timing() makes run(engine), that one pass (it may look up or measure the passes
+    it runs inside it first). `describe` names the shape in the log."""
     if len(candidates) == 1:
         _last.entry = {"engine": candidates[0], "ms": {}}
         return candidates[0]
     with _LOCK:
         path = _cache_file()
-        chosen = _chosen.get(path)
-        if chosen is None:
-            chosen = _chosen[path] = _load(path)
-        entry = chosen.get(key)
-        if isinstance(entry, str):          # written before the times were kept
-            entry = {"engine": entry, "ms": {}}
-        if isinstance(entry, dict) and entry.get("engine") in candidates:
+        chosen = _chosen_in(path)
+        entry = _entry(chosen, key, candidates)
+        if entry is not None:
             _last.entry = entry
             return entry["engine"]
+        run = timing()
+        start = time.perf_counter()
         with _measurement():
-            start = time.perf_counter()
-            times = _measure(timing(), candidates)
+            times = _measure(run, candidates)
         # The work arrays every candidate left behind: only the chosen one's come back.
         from caffepar.nn.blas import release_workspace
         release_workspace()
+        _measured[0] += 1
         engine = _pick(times, candidates)
         log.info("Convolution %s: engine %s (%s; measured once in %.1f s)", describe, engine,
                  ", ".join(f"{e} {1e3 * t:.1f} ms" for e, t in sorted(times.items(),
@@ -192,6 +232,26 @@ def last_choice(clear=False):
     if clear:
         _last.entry = None
     return entry
+
+
+def with_entry(lookup):
+    """(engine, entry) of one lookup(): the engine it returns and the measured choice behind
+    it, or None for the entry when nothing was measured (forced, rules, one engine able)."""
+    last_choice(clear=True)
+    engine = lookup()
+    entry = last_choice(clear=True)
+    if not (entry and entry.get("engine") == engine and entry.get("ms")):
+        entry = None
+    return engine, entry
+
+
+def describe(choices):
+    """A layer's engines ({pass: (engine, entry)}) in words: the one engine when its passes
+    share it, else each pass's ("forward direct, backward im2col")."""
+    engines = {part: engine for part, (engine, _) in choices.items()}
+    if len(set(engines.values())) == 1:
+        return next(iter(engines.values()))
+    return ", ".join(f"{part} {engine}" for part, engine in engines.items())
 
 
 def margin(entry):

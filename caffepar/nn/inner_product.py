@@ -49,35 +49,45 @@ class InnerProductLayer(Layer):
         top[0].reshape(bottom[0].shape[:axis] + (self.num_output,))
 
     def engine(self, bottom_shape):
-        """The engine this layer's shape runs on (`caffepar time` prints it)."""
-        return self._engine()
+        """The engines this layer's shape runs on, in words (`caffepar time` prints it)."""
+        return calibrate.describe(self.engine_choices(bottom_shape))
 
-    def _engine(self):
-        """How this shape runs: "wide" or "rows" (the compiled kernels) or "blas"."""
+    def engine_choices(self, bottom_shape):
+        """{pass: (engine, its measured choice or None)} (`caffepar time --engines`)."""
+        need_dx = bool((self.bottom_need_diff or [True])[0])
+        need_dw = bool(self.param_propagate_down[0]) if self.param_propagate_down else True
+        return {"forward": calibrate.with_entry(self._engine),
+                "backward": calibrate.with_entry(
+                    lambda: self._engine(calibrate.backward_pass(need_dx, need_dw)))}
+
+    def _engine(self, passes="forward"):
+        """How this shape's pass ("forward" or a calibrate.backward_pass) runs: "wide" or
+        "rows" (the compiled kernels) or "blas"."""
         w = self.blobs[0].data
         if (self.transpose or self.m > SMALL_BATCH or not w.flags.c_contiguous
                 or native.kernels(w.dtype) is None):
             return "blas"
         if calibrate.mode() != "measure" or calibrate.measuring():
             return "wide" if 2 * self.m >= 64 // w.dtype.itemsize else "rows"
-        key = f"ip {self.m}x{self.k} {self.num_output} {w.dtype.name} t{blas_threads()}"
-        return calibrate.choose(key, list(ENGINES), self._timing_run, key)
+        key = (f"ip {self.m}x{self.k} {self.num_output} {w.dtype.name} {passes} "
+               f"t{blas_threads()}")
+        return calibrate.choose(key, list(ENGINES), lambda: self._timing_run(passes), key)
 
-    def _timing_run(self):
-        """run(engine): forward, dx and dW of this shape on random data with that engine."""
+    def _timing_run(self, passes):
+        """run(engine): one pass of this shape on random data with that engine."""
         rng = np.random.default_rng(0)
         # The layer's own weights (only read): a copy of a big layer's (VGG-16's fc6: 392 MB)
         # would raise the peak memory of the first iteration by as much.
         w = self.blobs[0].data
         dt = w.dtype
         x = calibrate.random_array(rng, (self.m, self.k), dt)
-        y, dx, dw = np.empty((self.m, self.num_output), dt), np.empty_like(x), np.zeros_like(w)
-
-        def run(engine):
-            _forward(engine, x, w, None, y)
-            _backward(engine, y, x, w, dx, dw)
-
-        return run
+        if passes == "forward":
+            y = np.empty((self.m, self.num_output), dt)
+            return lambda engine: _forward(engine, x, w, None, y)
+        dy = calibrate.random_array(rng, (self.m, self.num_output), dt)
+        dx = np.empty_like(x) if passes != "backward no dx" else None
+        dw = np.zeros_like(w) if passes != "backward dx" else None
+        return lambda engine: _backward(engine, dy, x, w, dx, dw)
 
     def forward(self, bottom, top):
         x = bottom[0].data.reshape(self.m, self.k)
@@ -103,8 +113,10 @@ class InnerProductLayer(Layer):
             if dx is not None:
                 gemm(dy, w.data.T, dx)
             return
-        _backward(self._engine(), dy, x, w.data, dx,
-                  w.diff if self.param_propagate_down[0] else None)
+        dw = w.diff if self.param_propagate_down[0] else None
+        if dx is not None or dw is not None:
+            _backward(self._engine(calibrate.backward_pass(dx is not None, dw is not None)),
+                      dy, x, w.data, dx, dw)
 
 
 #: The ways y = x W^T, dx = dy W and dW += dy^T x run: "wide" and "rows" are the compiled

@@ -3,7 +3,7 @@ array kernels in caffepar.nn.conv."""
 import numpy as np
 
 from caffepar.blob import canonical_axis
-from caffepar.nn import conv
+from caffepar.nn import calibrate, conv
 from caffepar.nn.base import Layer, register, reshaped_by_shape
 
 
@@ -137,26 +137,30 @@ class _ConvolutionBase(Layer):
         return self.stride, self.pad, self.dilation, self.group
 
     def engine(self, bottom_shape):
-        """The convolution engine this layer's shape runs on (`caffepar time` prints it)."""
+        """The convolution engines this layer's shape runs on, in words (`caffepar time`
+        prints it)."""
+        return calibrate.describe(self.engine_choices(bottom_shape))
+
+    def engine_choices(self, bottom_shape):
+        """{pass: (engine, its measured choice or None)} (`caffepar time --engines`)."""
         spatial = tuple(bottom_shape[self.axis + 1:])
         if self.transposed:     # runs as the backward pass of the convolution top -> bottom
             spatial = self.output_spatial(spatial)
-        need_dx = bool((self.bottom_need_diff or [True])[0]) or self.transposed
-        return conv.conv_engine(spatial, self.blobs[0].shape, *self._kernels(),
-                                batch=self.batch, dtype=self.blobs[0].data.dtype,
-                                need_dx=need_dx)
+        need_dx = bool((self.bottom_need_diff or [True])[0])
+        need_dw = bool(self.param_propagate_down[0]) if self.param_propagate_down else True
+        return conv.conv_engines(spatial, self.blobs[0].shape, *self._kernels(),
+                                 batch=self.batch, dtype=self.blobs[0].data.dtype,
+                                 need_dx=need_dx, need_dw=need_dw, transposed=self.transposed)
 
     def forward(self, bottom, top):
         w = self.blobs[0].data
         b = self.blobs[1].data if self.bias_term else None
-        hints = self.bottom_need_diff or [True] * len(bottom)
-        for bt, tp, need_dx in zip(bottom, top, hints):
+        for bt, tp in zip(bottom, top):
             out = self._nc_view(tp.data, bt.data)
             if self.transposed:
                 y = conv.deconv_forward(self._as_nc(bt.data), w, b, *self._kernels(), out=out)
             else:
-                y = conv.conv_forward(self._as_nc(bt.data), w, b, *self._kernels(), out=out,
-                                      backward_dx=bool(need_dx))
+                y = conv.conv_forward(self._as_nc(bt.data), w, b, *self._kernels(), out=out)
             if out is None:
                 tp.data[...] = y.reshape(tp.shape)
 

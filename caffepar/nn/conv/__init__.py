@@ -18,13 +18,14 @@ column buffers in blocks, and the work arrays are reused across calls
 (``out=``, ``dx_out=``), which saves the layer a copy. GEMMs go through ``caffepar.nn.blas`` on
 strided views.
 """
-from caffepar.nn.conv.dispatch import (conv_backward, conv_engine, conv_forward, deconv_backward,
-                                       deconv_forward)
+from caffepar.nn.conv.dispatch import (conv_backward, conv_engine, conv_engines, conv_forward,
+                                       deconv_backward, deconv_forward)
 from caffepar.nn.conv.geometry import conv_output_shape
 from caffepar.nn.conv.cols import col2im, im2col
 
 __all__ = [
     "conv_engine",
+    "conv_engines",
     "conv_forward",
     "conv_backward",
     "deconv_forward",

@@ -33,23 +33,24 @@ def candidates(g, cg, group, dt):
     return found + ["grid"]
 
 
-_forced = threading.local()     # .shape, .engine: the engine being timed for one shape
+_forced = threading.local()     # .shape, .passes, .engine: the engine being timed for a pass
 
 
-def _engine(g, cg, og, group, n, dt, passes="all"):
-    """The engine a shape runs on: a forced one, else the measured choice (calibrate) for the
-    passes it runs ("all"; "no dx": forward, dw, db; "forward": a flipped-kernel dx), else the
-    rule."""
+def _engine(g, cg, og, group, n, dt, passes="forward"):
+    """The engine a shape's pass runs on: a forced one, else the measured choice (calibrate)
+    for that pass ("forward", or a calibrate.backward_pass), else the rule."""
     shape = (g.in_sp, g.kernel, g.stride, g.pad, g.dilation, cg, og, group)
-    if getattr(_forced, "shape", None) == shape:
+    if getattr(_forced, "shape", None) == shape and _forced.passes == passes:
         return _forced.engine
     able = _candidates(g, cg, group, dt, native.mode())
     mode = calibrate.mode()
     if mode in able:
         return mode
-    if mode != "measure" or n == 0 or calibrate.measuring():
+    if mode != "measure" or n == 0:
         return rule_engine(g, cg, og, group)
     key = _choice_key(g, cg, og, group, n, dt, passes, blas_threads())
+    if calibrate.measuring():       # a pass run inside the one being timed: as it will run
+        return calibrate.cached(key, able) or rule_engine(g, cg, og, group)
     return calibrate.choose(key, able, lambda: _timing_run(shape, n, dt, passes), key)
 
 
@@ -67,41 +68,80 @@ def _choice_key(g, cg, og, group, n, dt, passes, threads):
     return (f"{n}x{cg * group}x{'x'.join(map(str, g.in_sp))} {og * group} "
             f"k{'x'.join(map(str, g.kernel))} s{'x'.join(map(str, g.stride))} "
             f"p{'x'.join(map(str, g.pad))} d{'x'.join(map(str, g.dilation))} g{group} {dt.name}"
-            f"{'' if passes == 'all' else ' ' + passes} t{threads}")
+            f" {passes} t{threads}")
 
 
 def _timing_run(shape, n, dt, passes):
-    """run(engine): the passes of a shape on random data with that engine."""
+    """run(engine): one pass of a shape on random data with that engine. A backward whose dx
+    may run as a forward convolution (`_flipped_dx`) has that forward's engine chosen first, so
+    that it is timed as it will run."""
     in_sp, kernel, stride, pad, dilation, cg, og, group = shape
+    g = geom(in_sp, kernel, stride, pad, dilation)
     rng = np.random.default_rng(0)
     x = calibrate.random_array(rng, (n, cg * group) + in_sp, dt)
     w = calibrate.random_array(rng, (og * group, cg) + kernel, dt, 0.1)
-    y = np.empty((n, og * group) + geom(in_sp, kernel, stride, pad, dilation).out, dt)
-    dx = np.empty_like(x)
+    y_shape = (n, og * group) + g.out
+    if passes == "forward":
+        y = np.empty(y_shape, dt)
+
+        def work():
+            conv_forward(x, w, None, stride, pad, dilation, group, out=y)
+    else:
+        dy = calibrate.random_array(rng, y_shape, dt)
+        need_dx, need_dw = passes != "backward no dx", passes != "backward dx"
+        dx = np.empty_like(x) if need_dx else None
+        gt = _flipped_dx(g, cg) if need_dx else None
+        if gt is not None and "im2col" in candidates(g, cg, group, dt):
+            _engine(gt, og, cg, group, n, dt, "forward")
+
+        def work():
+            conv_backward(dy, x, w, stride, pad, dilation, group, need_dx=need_dx,
+                          need_dw=need_dw, dx_out=dx)
 
     def run(engine):
-        _forced.shape, _forced.engine = shape, engine
+        _forced.shape, _forced.passes, _forced.engine = shape, passes, engine
         try:
-            conv_forward(x, w, None, stride, pad, dilation, group, out=y)
-            if passes != "forward":
-                conv_backward(y, x, w, stride, pad, dilation, group, need_dx=passes == "all",
-                              dx_out=dx)
+            work()
         finally:
             _forced.shape = None
 
     return run
 
 
-def conv_engine(in_spatial, w_shape, stride, pad, dilation, group, batch=None,
-                dtype=np.float32, need_dx=True):
-    """Which engine runs a convolution (direct, winograd, pointwise, band, im2col or grid):
-    measured for the batch when one is given (as the layers run), else the rule's; benchmarks
-    and `caffepar time` print it."""
+def conv_engines(in_spatial, w_shape, stride, pad, dilation, group, batch=None,
+                 dtype=np.float32, need_dx=True, need_dw=True, transposed=False):
+    """{pass: (engine, its calibrate entry or None)}: the engines a convolution's forward and
+    backward run on (direct, winograd, pointwise, band, im2col or grid), measured for the batch
+    when one is given (as the layers run), else the rule's. A Deconvolution (`transposed`,
+    `in_spatial` its top's) runs the convolution's passes the other way round: its forward is
+    the convolution's dx, its backward the dw (and, for its dx, the forward)."""
     g = geom(in_spatial, w_shape[2:], stride, pad, dilation)
     cg, og = w_shape[1], w_shape[0] // group
     if batch is None:
-        return rule_engine(g, cg, og, group)
-    return _engine(g, cg, og, group, batch, np.dtype(dtype), "all" if need_dx else "no dx")
+        return {"forward": (rule_engine(g, cg, og, group), None)}
+    dt = np.dtype(dtype)
+
+    def looked_up(passes):
+        return calibrate.with_entry(lambda: _engine(g, cg, og, group, batch, dt, passes))
+
+    if not transposed:
+        return {"forward": looked_up("forward"),
+                "backward": looked_up(calibrate.backward_pass(need_dx, need_dw))}
+    found = {"forward": looked_up("backward dx")}
+    if need_dw:
+        found["backward"] = looked_up("backward no dx")
+    if need_dx:
+        found["backward dx"] = looked_up("forward")
+    return found
+
+
+def conv_engine(in_spatial, w_shape, stride, pad, dilation, group, batch=None,
+                dtype=np.float32, need_dx=True, need_dw=True):
+    """The engine of a convolution (conv_engines) in words: "im2col" when its passes share it,
+    else "forward direct, backward im2col"; benchmarks and `caffepar time` print it."""
+    found = conv_engines(in_spatial, w_shape, stride, pad, dilation, group, batch, dtype,
+                         need_dx, need_dw)
+    return calibrate.describe(found)
 
 
 def _check(x, w, group, what):
@@ -145,12 +185,11 @@ def _deliver(result, final):
     return final
 
 
-def conv_forward(x, w, b, stride, pad, dilation, group, out=None, backward_dx=True):
+def conv_forward(x, w, b, stride, pad, dilation, group, out=None):
     """x (N, C, *S), w (O, C//group, *K), b (O,) or None -> y (N, O, *S_out), C-contiguous.
 
     With ``out`` (shape (N, O, *S_out)) the result is written there and
-    returned, saving the caller a copy. ``backward_dx`` tells whether the backward pass will
-    want dx (an engine is chosen for the passes a layer runs).
+    returned, saving the caller a copy.
     """
     x = np.asarray(x)
     w = np.asarray(w)
@@ -166,13 +205,13 @@ def conv_forward(x, w, b, stride, pad, dilation, group, out=None, backward_dx=Tr
     y, final = _target(out, (n, o) + g.out, dt, "conv_forward")
     bias = None if b is None else np.asarray(b, dt).reshape(o)
     if n:
-        _conv_forward_into(g, x, w, bias, y, group, dt, "all" if backward_dx else "no dx")
+        _conv_forward_into(g, x, w, bias, y, group, dt)
     return _deliver(y, final)
 
 
-def _conv_forward_into(g, x, w, bias, y, group, dt, passes="all"):
+def _conv_forward_into(g, x, w, bias, y, group, dt):
     o, cg = w.shape[:2]
-    engine = _engine(g, cg, o // group, group, x.shape[0], dt, passes)
+    engine = _engine(g, cg, o // group, group, x.shape[0], dt)
     if engine == "direct":
         direct.forward(g, x, w, bias, y, group, dt)
     elif engine == "winograd":
@@ -226,7 +265,7 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
         raise ValueError(f"conv_backward: dy has shape {dy.shape}, expected {(n, o) + g.out}")
     if not (need_dx or need_dw or need_db):
         return None, None, None
-    engine = _engine(g, cg, og, group, n, dt, "all" if need_dx else "no dx")
+    engine = _engine(g, cg, og, group, n, dt, calibrate.backward_pass(need_dx, need_dw))
     whole = engine in ("winograd", "direct") and n > 0       # dx written in full
     use_cols = engine in ("band", "im2col") and n > 0 and (need_dx or need_dw)
     dx = final = None
@@ -261,15 +300,14 @@ def _cols_backward(g, engine, dy, x, w, dx, group, need_dw, need_db, dt):
     cg = w.shape[1]
     need_dx = dx is not None
     dy = np.ascontiguousarray(dy)
-    gt = flipped_geom(g) if (need_dx and cg >= cols.FLIP_MIN_CHANNELS) else None
+    gt = _flipped_dx(g, cg) if need_dx else None
     if gt is not None:
         # dx is a forward convolution in its own right (dy has og channels per group):
         # small images stay on the band path, others take the engine that shape suits.
         if engine == "band":
             band.forward(gt, dy, flipped_weights(w, group), None, dx, dt)
         else:
-            _conv_forward_into(gt, dy, flipped_weights(w, group), None, dx, group, dt,
-                               "forward")
+            _conv_forward_into(gt, dy, flipped_weights(w, group), None, dx, group, dt)
     if engine == "im2col":
         return cols.backward(g, dy, x, w, dx if gt is None else None, group,
                                need_dw, need_db, dt)
@@ -281,6 +319,12 @@ def _cols_backward(g, engine, dy, x, w, dx, group, need_dw, need_db, dt):
     if need_dx and gt is None:
         cols.backward(g, dy, x, w, dx, group, False, False, dt)
     return dw, db
+
+
+def _flipped_dx(g, cg):
+    """The geometry of the forward convolution that computes a band or im2col layer's dx
+    (with flipped kernels) when its channels are many, else None (col2im)."""
+    return flipped_geom(g) if cg >= cols.FLIP_MIN_CHANNELS else None
 
 
 def _deconv_geom_shape(x_shape, w, stride, pad, dilation, group):
