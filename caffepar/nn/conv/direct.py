@@ -18,7 +18,9 @@ is the forward kernel on dy, padded for the flipped kernel (for a strided layer,
 stride grid first: a cost that grows with the stride, which the engine measurement weighs), with
 flipped weights. Work is cut in parts (runs of images x output
 rows, or x input channels for dw) run side by side with ``run_parts``; each run of images sums
-its own dw, and the runs' sums are added in order (``geometry.SUM_PARTS`` runs at most).
+its own dw, and db from the same dy, and the runs' sums are added in order
+(``geometry.SUM_PARTS`` runs at most), so they round the same way whichever thread ran which
+run.
 """
 import functools
 
@@ -150,8 +152,9 @@ class _Layout:
         _, c_out, ho, wo = dy.shape
         self.k.conv_direct_dw_nchw(
             self.image(x, i), native.ptr(buf["x"]), self.image(dy, i), native.ptr(buf["dyl"]),
-            native.ptr(out), None if db is None else native.ptr(db), m, len(buf["x"]), c_in, ci0, channels, h, w, *g.pad,
-            buf["dyl"].shape[-1], *g.kernel, ho, wo, *g.stride, *g.dilation, c_out, co0, och)
+            native.ptr(out), None if db is None else native.ptr(db), m, len(buf["x"]), c_in,
+            ci0, channels, h, w, *g.pad, buf["dyl"].shape[-1], *g.kernel, ho, wo, *g.stride,
+            *g.dilation, c_out, co0, och)
 
     def weight_gradient(self, out, xp, dyl, i, m, g, c0, c1):
         """out (C, KH, KW, CP) += input channels c0 .. c1 of the weight gradient of images
