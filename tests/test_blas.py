@@ -315,6 +315,25 @@ def test_run_parts_keeps_its_workers():
     assert got == {k: [[k, i] for i in range(16)] for k in range(4)}
 
 
+def test_run_parts_after_an_interrupted_wait(monkeypatch):
+    """A wait for the workers cut short (Ctrl-C) leaves them to end that call's parts; the
+    next call runs on new workers and gets every result."""
+    def slow(p):
+        time.sleep(0.002)
+        return p
+
+    blas.run_parts(slow, list(range(4)), 2)
+    old = blas._WORKERS[0]
+    real = blas._Worker.join
+    monkeypatch.setattr(blas._Worker, "join", lambda w, spin: (_ for _ in ()).throw(
+        KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        blas.run_parts(slow, list(range(40)), 2)
+    monkeypatch.setattr(blas._Worker, "join", real)
+    assert old not in blas._WORKERS
+    assert blas.run_parts(slow, list(range(40)), 2) == list(range(40))
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_gate_posts_and_waits(compiled):
     """A gate's waiter sees every post, whether it polled (compiled) or blocked first; a poll

@@ -528,7 +528,12 @@ def _hand_out(fn, parts, pool):
         try:
             drain()
         finally:
-            errors = [w.join(spin) for w in pool]
+            try:
+                errors = [w.join(spin) for w in pool]
+            except BaseException:       # interrupted (Ctrl-C): a worker may still be running
+                for w in pool:          # this call's parts; later calls start new ones
+                    _WORKERS.remove(w)
+                raise
     for error in errors:
         if error is not None:
             raise error
