@@ -10,9 +10,7 @@ A kernel change is kept when it helps, or is neutral, for the kernels built for 
 instruction set (run it again with CAFFEPAR_CFLAGS=-march=haswell for AVX2 code).
 """
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from cpuinfo import build_isa, cpu_key, cpu_name, isa_suffix  # noqa: E402
-from revisions import extract  # noqa: E402
+from revisions import extract, time_passes  # noqa: E402
 from tables import write_tables  # noqa: E402
 
 # name: (channels in, input size, channels out, kernel, stride, pad, batch, dx needed)
@@ -46,10 +44,7 @@ def main():
     vector_bytes = None
     for _ in range(args.rounds + 1):        # the first round builds the kernels, untimed
         for rev, tree in trees.items():
-            got = json.loads(subprocess.run(
-                [sys.executable, str(ROOT / "scripts/direct_passes.py"), str(tree),
-                 json.dumps(SHAPES)], capture_output=True, text=True, check=True).stdout)
-            vector_bytes = got.pop("vector_bytes")
+            vector_bytes, got = time_passes(tree, SHAPES)
             if _ == 0:
                 continue
             for name, passes in got.items():

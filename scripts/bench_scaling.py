@@ -12,9 +12,7 @@ Ideal is the 1-thread time / N; lost = the N-thread time - ideal: the time threa
 waiting (for the caller's serial work, for one another at the end of a pass, to be woken).
 """
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from cpuinfo import build_isa, cpu_key, cpu_name, isa_suffix  # noqa: E402
 from figures import pyplot  # noqa: E402
-from revisions import extract  # noqa: E402
+from revisions import extract, time_passes  # noqa: E402
 from tables import write_tables  # noqa: E402
 
 # name: (channels in, input size, channels out, kernel, stride, pad, batch, dx needed)
@@ -48,13 +46,7 @@ def main():
     for round_ in range(args.rounds + 1):       # the first round builds kernels and engines
         for rev, tree in trees.items():
             for threads in counts:
-                env = dict(os.environ, **{v: str(threads) for v in
-                                          ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")})
-                got = json.loads(subprocess.run(
-                    [sys.executable, str(ROOT / "scripts/direct_passes.py"), str(tree),
-                     json.dumps(SHAPES), "--step"],
-                    capture_output=True, text=True, check=True, env=env).stdout)
-                vector_bytes = got.pop("vector_bytes")
+                vector_bytes, got = time_passes(tree, SHAPES, step=True, threads=threads)
                 if round_ == 0:
                     continue
                 step = {"training step": got.pop("training step")}
