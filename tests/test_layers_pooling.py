@@ -342,3 +342,79 @@ def test_fast_path_repeated_calls_reuse_buffers(block_bytes):
         net.backward_from_to()
         np.testing.assert_allclose(net.blobs["x"].diff,
                                    ref_pool_backward(x, dy, 3, 3, 0, 0, 2, 2, "MAX", mask))
+
+
+# ------------------------------------------------------------------ MAX backward, bit for bit
+def caffe_max_backward(mask, dy, h, w):
+    """Caffe's MAX Backward_cpu literally, in dy's dtype: bottom diff set to +0, then for every
+    plane and output cell in order bottom_diff[mask] += top_diff (a -1 mask lands on the last
+    cell of the previous plane)."""
+    n, c, oh, ow = dy.shape
+    dx = np.zeros((n * c, h * w), dy.dtype)
+    m = mask.reshape(n * c, oh * ow).astype(int)
+    d = dy.reshape(n * c, oh * ow)
+    for p in range(n * c):
+        for q in range(oh * ow):
+            if m[p, q] >= 0:
+                dx[p, m[p, q]] += d[p, q]
+            elif p:
+                dx[p - 1, -1] += d[p, q]
+    return dx.reshape(n, c, h, w)
+
+
+def assert_same_bits(got, want, what=""):
+    """Equal bit for bit (the sign of zero included); NaNs only where the reference has them."""
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan, err_msg=what)
+    uint = np.uint32 if got.dtype == np.float32 else np.uint64
+    bad = (got.view(uint) != want.view(uint)) & ~nan
+    assert not bad.any(), (f"{what}: {bad.sum()} cells differ, first at {np.argwhere(bad)[0]}: "
+                           f"{got[bad][:3]} != {want[bad][:3]}")
+
+
+# Overlapping windows (a cell winning up to 4 or 9), kernel == stride, kernel < stride,
+# padding, ceil mode clipping the last window, and windows with no winner.
+EXACT_CASES = [
+    ((2, 3, 9, 9), "kernel_size: 3 stride: 2", (3, 3, 0, 0, 2, 2), True),
+    ((2, 3, 8, 10), "kernel_size: 3 stride: 2", (3, 3, 0, 0, 2, 2), True),
+    ((2, 3, 7, 8), "kernel_size: 2 stride: 2", (2, 2, 0, 0, 2, 2), True),
+    ((1, 4, 7, 6), "kernel_size: 3 stride: 1 pad: 1", (3, 3, 1, 1, 1, 1), True),
+    ((2, 3, 8, 8), "kernel_size: 2 stride: 3", (2, 2, 0, 0, 3, 3), True),
+    ((2, 3, 9, 8), "kernel_size: 3 stride: 2 pad: 1", (3, 3, 1, 1, 2, 2), True),
+    ((2, 2, 9, 8), "kernel_h: 3 kernel_w: 4 stride_h: 2 stride_w: 3 pad_h: 1 pad_w: 2",
+     (3, 4, 1, 2, 2, 3), True),
+    ((2, 3, 10, 11), "kernel_size: 2 stride: 3 round_mode: FLOOR", (2, 2, 0, 0, 3, 3), False),
+]
+
+
+@pytest.mark.parametrize("case", EXACT_CASES, ids=[c[1] for c in EXACT_CASES])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("split", ["one-run", "blocks-3-threads"])
+def test_max_backward_sums_as_caffe(case, dtype, split, monkeypatch):
+    """Cells winning several windows (planted ties) get the windows' diffs added in Caffe's
+    window order from +0; a -0 diff alone gives +0; a NaN or Inf diff reaches only its winner;
+    windows with no winner add to the previous plane's last cell in order."""
+    from caffepar.nn import pooling
+    if split != "one-run":
+        monkeypatch.setattr(pooling, "BLOCK_BYTES", 3000)
+        monkeypatch.setattr(pooling, "blas_threads", lambda: 3)
+    shape, text, geom, ceil_mode = case
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 3, shape).astype(dtype)
+    x[rng.random(shape) < 0.1] = np.nan
+    x[0, 1, :3, :4] = np.nan
+    x[-1, 1] = -np.inf
+    net = run(net_text("Pooling", shape, f"pooling_param {{ pool: MAX {text} }}"), x, dtype)
+    _, mask = ref_pool(x.astype(np.float64), *geom, "MAX", ceil_mode=ceil_mode)
+    oshape = net.blobs["y"].shape
+    dy = (rng.standard_normal(oshape) * 2.0 ** rng.integers(-4, 5, oshape)).astype(dtype)
+    dy[rng.random(oshape) < 0.2] = -0.0
+    diffs = {"mixed": dy, "nan": np.where(rng.random(oshape) < 0.05, np.nan, dy),
+             "inf": np.where(rng.random(oshape) < 0.05, -np.inf, dy),
+             "all -0": np.full(oshape, -0.0)}
+    for name, diff in diffs.items():
+        diff = diff.astype(dtype)
+        net.blobs["y"].diff[...] = diff
+        net.backward_from_to()
+        want = caffe_max_backward(mask, diff, *shape[2:])
+        assert_same_bits(net.blobs["x"].diff, want, name)

@@ -230,7 +230,11 @@ def max_pool_mask(g, arg):
 
 
 def max_pool_backward(g, arg, dy, dx):
-    """Route dy to the winners; `arg` as max_pool_forward returned it."""
+    """Route dy to the winners; `arg` as max_pool_forward returned it. As Caffe's loop does: dx
+    from +0, each dy added to its winner only (a masked add: a NaN dy reaches no other cell),
+    and a cell winning several windows adds them in Caffe's window order, which is the reverse
+    of the kernel-offset order (a later window along an axis holds the cell at an earlier
+    offset); the adds skipped in between would have added +0, which changes no sum from +0."""
     dy3, dx3 = g.planes(dy, g.oh, g.ow), g.planes(dx, g.h, g.w)
     k = _kernels(dy, dx)
     if k is not None:
@@ -240,7 +244,7 @@ def max_pool_backward(g, arg, dy, dx):
         return
 
     def run(blocks):
-        grads, dys, hit, tmp, _ = g.buffers("max_grad", dx.dtype, 0)
+        grads, dys, hit = g.buffers("max_grad", dx.dtype, 0)[:3]
         flat = grads.reshape(len(grads), -1)
         for p0, p1 in blocks:
             n = p1 - p0
@@ -251,15 +255,12 @@ def max_pool_backward(g, arg, dy, dx):
                 dys[:n, :g.oh, :g.ow] = dy3[p0:p1]
                 d = dys.reshape(-1)[:size]
             a = arg[p0:p1].reshape(-1)[:size]
-            m, t = hit.reshape(-1)[:size], tmp.reshape(-1)[:size]
-            for k, p, off, first in g.taps:
+            m = hit.reshape(-1)[:size]
+            flat[:, :n * g.span] = 0
+            for k, p, off, _ in reversed(g.taps):
                 np.equal(a, k, out=m)
-                if first:
-                    np.multiply(d, m, out=flat[p, :size])
-                    flat[p, size:n * g.span] = 0
-                else:
-                    np.multiply(d, m, out=t)
-                    flat[p, off:off + size] += t
+                dst = flat[p, off:off + size]
+                np.add(dst, d, out=dst, where=m)
             g.merge(grads, dx3[p0:p1])
 
     g.run(run, len(dx3))
@@ -269,12 +270,14 @@ def max_pool_backward(g, arg, dy, dx):
 
 
 def _scatter_unassigned(none, dy, dx):
-    """A window with no cell in the image has Caffe index -1, which lands on the last cell of the
-    previous channel plane (nothing for the very first plane)."""
-    planes = dx.shape[0] * dx.shape[1]
-    per_plane = (dy * none).reshape(planes, -1).sum(axis=1)
-    flat = dx.reshape(planes, -1)
-    flat[:-1, -1] += per_plane[1:]
+    """A window without a winner has Caffe index -1, which lands on the last cell of the
+    previous channel plane (nothing for the very first plane), added one by one in window order
+    after that plane's own (np.add.at adds in index order)."""
+    windows = np.flatnonzero(none)
+    plane = windows // (none.size // (dx.shape[0] * dx.shape[1]))
+    windows = windows[plane > 0]
+    cells = plane[plane > 0] * (dx.shape[2] * dx.shape[3]) - 1
+    np.add.at(dx.reshape(-1), cells, dy.reshape(-1)[windows])
 
 
 def max_pool_backward_from_mask(g, mask, dy, dx):
