@@ -231,10 +231,11 @@ def max_pool_mask(g, arg):
 
 def max_pool_backward(g, arg, dy, dx):
     """Route dy to the winners; `arg` as max_pool_forward returned it. As Caffe's loop does: dx
-    from +0, each dy added to its winner only (a masked add: a NaN dy reaches no other cell),
-    and a cell winning several windows adds them in Caffe's window order, which is the reverse
-    of the kernel-offset order (a later window along an axis holds the cell at an earlier
-    offset); the adds skipped in between would have added +0, which changes no sum from +0."""
+    from +0, each dy added to its winner only (selected, not multiplied by a mask: a NaN dy
+    reaches no other cell), and a cell winning several windows adds them in Caffe's window
+    order, which is the reverse of the kernel-offset order (a later window along an axis holds
+    the cell at an earlier offset). The +0 added for the windows a cell did not win changes no
+    sum that starts from +0."""
     dy3, dx3 = g.planes(dy, g.oh, g.ow), g.planes(dx, g.h, g.w)
     k = _kernels(dy, dx)
     if k is not None:
@@ -243,24 +244,35 @@ def max_pool_backward(g, arg, dy, dx):
             _scatter_unassigned(g.compact(arg, dy.shape) < 0, dy, dx)
         return
 
+    bits = np.dtype(f"i{dx.dtype.itemsize}")
+
     def run(blocks):
-        grads, dys, hit = g.buffers("max_grad", dx.dtype, 0)[:3]
+        grads, dys, hit, tmp, _ = g.buffers("max_grad", dx.dtype, 0)
         flat = grads.reshape(len(grads), -1)
         for p0, p1 in blocks:
             n = p1 - p0
             size = n * g.span - g.max_offset
-            if g.direct:
-                d = dy3[p0:p1].reshape(-1)
-            else:
-                dys[:n, :g.oh, :g.ow] = dy3[p0:p1]
-                d = dys.reshape(-1)[:size]
+            # +0 + dy, Caffe's first add to a cell (a -0 dy becomes +0), so the first tap of a
+            # phase can set the cells it reaches and the rest add to them
+            np.add(dy3[p0:p1], 0, out=dys[:n, :g.oh, :g.ow])
+            d = dys.reshape(-1)[:size].view(bits)
             a = arg[p0:p1].reshape(-1)[:size]
-            m = hit.reshape(-1)[:size]
-            flat[:, :n * g.span] = 0
+            m, t = hit.reshape(-1)[:size], tmp.reshape(-1)[:size]
+            ti = t.view(bits)
+            started = set()
             for k, p, off, _ in reversed(g.taps):
+                # dy where the tap won, +0 elsewhere: a select by a mask of all or no bits,
+                # as fast as a product by the winner mask but with no NaN * 0
                 np.equal(a, k, out=m)
-                dst = flat[p, off:off + size]
-                np.add(dst, d, out=dst, where=m)
+                np.negative(m.view(np.int8), out=ti, casting="unsafe")
+                if p in started:
+                    np.bitwise_and(ti, d, out=ti)
+                    flat[p, off:off + size] += t
+                    continue
+                started.add(p)
+                np.bitwise_and(ti, d, out=flat[p, off:off + size].view(bits))
+                flat[p, :off] = 0
+                flat[p, off + size:n * g.span] = 0
             g.merge(grads, dx3[p0:p1])
 
     g.run(run, len(dx3))
