@@ -262,7 +262,7 @@ def max_pool_backward(g, arg, dy, dx):
             started = set()
             for k, p, off, _ in reversed(g.taps):
                 # dy where the tap won, +0 elsewhere: a select by a mask of all or no bits,
-                # as fast as a product by the winner mask but with no NaN * 0
+                # near the speed of a product by the winner mask, without its NaN * 0
                 np.equal(a, k, out=m)
                 np.negative(m.view(np.int8), out=ti, casting="unsafe")
                 if p in started:
