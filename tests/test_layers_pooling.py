@@ -89,6 +89,8 @@ CASES = [
     ((1, 1, 5, 7), "kernel_h: 3 kernel_w: 2 stride_h: 2 stride_w: 3 pad_h: 1 pad_w: 0",
      3, 2, 1, 0, 2, 3),
     ((2, 1, 4, 6), "kernel_h: 2 kernel_w: 4 stride: 1", 2, 4, 0, 0, 1, 1),
+    # padding along one axis clips the last window along both, as Caffe's Reshape does
+    ((1, 2, 6, 5), "kernel_h: 1 kernel_w: 2 stride: 2 pad_h: 0 pad_w: 1", 1, 2, 0, 1, 2, 2),
 ]
 
 

@@ -28,12 +28,13 @@ NEG_FLT_MAX = -float(np.finfo(np.float32).max)
 BLOCK_BYTES = 1 << 21
 
 
-def pooled_size(size, kernel, pad, stride, ceil_mode=True):
-    """Caffe's output extent: ceil (or floor) division, then drop a last window that would start
-    in the bottom/right padding."""
+def pooled_size(size, kernel, pad, stride, ceil_mode=True, padded=None):
+    """Caffe's output extent: ceil (or floor) division, then, when the layer pads at all (either
+    axis: `padded`, else this axis's pad), drop a last window that would start in the
+    bottom/right padding (or past the image, when this axis has no pad)."""
     span = float(np.float32(size + 2 * pad - kernel) / np.float32(stride))
     out = (math.ceil(span) if ceil_mode else math.floor(span)) + 1
-    if pad and (out - 1) * stride >= size + pad:
+    if (pad if padded is None else padded) and (out - 1) * stride >= size + pad:
         out -= 1
     return out
 
@@ -67,8 +68,9 @@ class PoolGeometry:
             return
         self._key = key
         self.h, self.w = h, w
-        self.oh = pooled_size(h, self.kh, self.ph, self.sh, self.ceil_mode)
-        self.ow = pooled_size(w, self.kw, self.pw, self.sw, self.ceil_mode)
+        padded = bool(self.ph or self.pw)
+        self.oh = pooled_size(h, self.kh, self.ph, self.sh, self.ceil_mode, padded)
+        self.ow = pooled_size(w, self.kw, self.pw, self.sw, self.ceil_mode, padded)
         self.rows = self.oh + (self.kh - 1) // self.sh
         self.cols = self.ow + (self.kw - 1) // self.sw
         self.span = self.rows * self.cols
