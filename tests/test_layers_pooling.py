@@ -420,3 +420,52 @@ def test_max_backward_sums_as_caffe(case, dtype, split, monkeypatch):
         net.backward_from_to()
         want = caffe_max_backward(mask, diff, *shape[2:])
         assert_same_bits(net.blobs["x"].diff, want, name)
+
+
+@pytest.mark.parametrize("case", EXACT_CASES[:1] + EXACT_CASES[3:4],
+                         ids=[c[1] for c in EXACT_CASES[:1] + EXACT_CASES[3:4]])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_max_backward_through_mask_top_sums_as_caffe(case, dtype):
+    """With a mask top the diffs go through the mask's indices, summed in dy's dtype in window
+    order from +0 (not in float64 and rounded once: 3x3/1 float32 tells them apart)."""
+    shape, text, geom, ceil_mode = case
+    rng = np.random.default_rng(6)
+    x = rng.integers(0, 2, shape).astype(dtype)
+    x[-1, 1] = np.nan
+    net = run(net_text("Pooling", shape, f"pooling_param {{ pool: MAX {text} }}", ("y", "mask")),
+              x, dtype)
+    _, mask = ref_pool(x.astype(np.float64), *geom, "MAX", ceil_mode=ceil_mode)
+    np.testing.assert_array_equal(net.blobs["mask"].data, mask)
+    oshape = net.blobs["y"].shape
+    dy = (rng.standard_normal(oshape) * 2.0 ** rng.integers(-12, 13, oshape)).astype(dtype)
+    dy[rng.random(oshape) < 0.2] = -0.0
+    dy[rng.random(oshape) < 0.05] = np.nan
+    net.blobs["y"].diff[...] = dy
+    net.backward_from_to()
+    assert_same_bits(net.blobs["x"].diff, caffe_max_backward(mask, dy, *shape[2:]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_global_max_pooling_as_caffe(dtype):
+    """Global MAX scans as Caffe: NaN never wins, ties keep the first cell, a plane of -inf has
+    no winner (-FLT_MAX out, its diff to the previous plane's last cell); a -0 diff gives +0."""
+    shape = (2, 3, 4, 5)
+    rng = np.random.default_rng(8)
+    x = rng.integers(0, 3, shape).astype(dtype)
+    x[0, 0, 0, 0] = np.nan
+    x[0, 1] = np.nan
+    x[0, 1, 2, 3] = 1
+    x[1, 2] = -np.inf
+    text = net_text("Pooling", shape, "pooling_param { pool: MAX global_pooling: true }",
+                    ("y", "mask"))
+    net = run(text, x, dtype)
+    want, mask = ref_pool(x.astype(np.float64), 4, 5, 0, 0, 1, 1, "MAX")
+    assert_same_bits(net.blobs["y"].data, want.astype(dtype))
+    np.testing.assert_array_equal(net.blobs["mask"].data, mask)
+    net = run(net_text("Pooling", shape, "pooling_param { pool: MAX global_pooling: true }"),
+              x, dtype)
+    dy = rng.standard_normal((2, 3, 1, 1)).astype(dtype)
+    dy[0, 2] = -0.0
+    net.blobs["y"].diff[...] = dy
+    net.backward_from_to()
+    assert_same_bits(net.blobs["x"].diff, caffe_max_backward(mask, dy, 4, 5))

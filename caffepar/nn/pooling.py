@@ -295,14 +295,43 @@ def _scatter_unassigned(none, dy, dx):
 
 
 def max_pool_backward_from_mask(g, mask, dy, dx):
-    """Scatter through an explicit mask top (flat h * W + w per plane), as Caffe does."""
+    """Scatter through an explicit mask top (flat h * W + w per plane), as Caffe does: from +0,
+    each dy added to its cell in window order and in dx's dtype (np.add.at adds in index
+    order)."""
     planes = dx.shape[0] * dx.shape[1]
     m = mask.reshape(planes, -1).astype(np.int64)
     base = (np.arange(planes) * g.h * g.w)[:, None]
     flat = (m + base).reshape(-1)
     ok = flat >= 0
-    acc = np.bincount(flat[ok], weights=dy.reshape(-1)[ok], minlength=dx.size)
-    dx[...] = acc[:dx.size].reshape(dx.shape)
+    acc = np.zeros(dx.size, dx.dtype)
+    np.add.at(acc, flat[ok], dy.reshape(-1)[ok])
+    dx[...] = acc.reshape(dx.shape)
+
+
+def global_max_forward(x, y):
+    """MAX over each whole plane as Caffe's scan: the first cell above -FLT_MAX that is largest
+    (NaN never wins); a plane with none gives -FLT_MAX and winner -1. Returns the winners'
+    flat indices, shaped as y."""
+    flat = x.reshape(x.shape[0], x.shape[1], -1)
+    v = np.where(flat > NEG_FLT_MAX, flat, -np.inf)
+    arg = v.argmax(axis=2)
+    best = np.take_along_axis(v, arg[..., None], 2)[..., 0]
+    none = best == -np.inf
+    y.reshape(best.shape)[...] = np.where(none, NEG_FLT_MAX, best)
+    arg[none] = -1
+    return arg.reshape(y.shape).astype(np.int32)
+
+
+def global_max_backward(arg, dy, dx):
+    """dx = +0, then +0 + dy on each plane's winner (Caffe's one add: a -0 dy gives +0)."""
+    dx[...] = 0
+    planes = dx.shape[0] * dx.shape[1]
+    flat = dx.reshape(planes, -1)
+    a = arg.reshape(planes, 1)
+    np.put_along_axis(flat, np.maximum(a, 0), np.where(a < 0, 0, dy.reshape(planes, 1) + 0), 1)
+    none = arg < 0
+    if none.any():
+        _scatter_unassigned(none, dy, dx)
 
 
 def ave_pool_forward(g, x, out):
@@ -443,10 +472,7 @@ class PoolingLayer(Layer):
             raise self.error("STOCHASTIC pooling is not implemented on the CPU (as in Caffe)")
         if self.method == PP.MAX:
             if self.global_pooling:
-                flat = x.reshape(x.shape[0], x.shape[1], -1)
-                a = flat.argmax(axis=2)
-                y.reshape(a.shape)[...] = np.take_along_axis(flat, a[..., None], 2)[..., 0]
-                self.arg = a.reshape(y.shape).astype(np.int32)
+                self.arg = global_max_forward(x, y)
             else:
                 self.arg = max_pool_forward(g, x, y)
             if len(top) > 1:
@@ -468,10 +494,7 @@ class PoolingLayer(Layer):
             if len(top) > 1:
                 max_pool_backward_from_mask(g, top[1].data, dy, dx)
             elif self.global_pooling:
-                dx[...] = 0
-                flat = dx.reshape(dx.shape[0], dx.shape[1], -1)
-                np.put_along_axis(flat, self.arg.reshape(flat.shape[0], flat.shape[1], 1),
-                                  dy.reshape(flat.shape[0], flat.shape[1], 1), 2)
+                global_max_backward(self.arg, dy, dx)
             else:
                 max_pool_backward(g, self.arg, dy, dx)
         elif self.global_pooling:
