@@ -64,3 +64,28 @@ def test_layer_case(case, monkeypatch):
     for key, want in _load(d / "param_diffs.npz").items():
         layer, idx = key.rsplit("/", 1)
         _close(f"{case}: param diff {key}", net.params[layer][int(idx)].diff, want)
+
+
+MAX_POOL_CASES = [c for c in CASES if c.startswith("pool_max")]
+
+
+@pytest.mark.skipif(not MAX_POOL_CASES,
+                    reason="caffe_ref/layers not available beside the repository")
+@pytest.mark.parametrize("case", MAX_POOL_CASES)
+def test_max_pooling_bottom_diff_bit_for_bit(case, monkeypatch):
+    """MAX pooling's backward adds the same numbers in the same order as Caffe's: its bottom
+    diff equals Caffe's bit for bit (the sign of zero included)."""
+    d = LAYER_DIR / case
+    monkeypatch.chdir(d)
+    net = caffe.Net(str(d / "net.prototxt"), caffe.TEST)
+    for name, value in _load(d / "inputs.npz").items():
+        net.blobs[name].data[...] = value
+    net.forward()
+    for name, value in _load(d / "top_diffs.npz").items():
+        net.blobs[name].diff[...] = value
+    net.backward()
+    for name, want in _load(d / "bottom_diffs.npz").items():
+        got = net.blobs[name].diff
+        assert got.dtype == want.dtype == np.float32
+        differ = got.view(np.uint32) != want.view(np.uint32)
+        assert not differ.any(), f"{case}: {differ.sum()} of {got.size} cells differ from Caffe"
