@@ -246,7 +246,7 @@ def max_pool_backward(g, arg, dy, dx):
             _scatter_unassigned(g.compact(arg, dy.shape) < 0, dy, dx)
         return
 
-    bits = np.dtype(f"i{dx.dtype.itemsize}")
+    bits = np.dtype(f"u{dx.dtype.itemsize}")
 
     def run(blocks):
         grads, dys, hit, tmp, _ = g.buffers("max_grad", dx.dtype, 0)
@@ -260,19 +260,17 @@ def max_pool_backward(g, arg, dy, dx):
             d = dys.reshape(-1)[:size].view(bits)
             a = arg[p0:p1].reshape(-1)[:size]
             m, t = hit.reshape(-1)[:size], tmp.reshape(-1)[:size]
-            ti = t.view(bits)
             started = set()
             for k, p, off, _ in reversed(g.taps):
-                # dy where the tap won, +0 elsewhere: a select by a mask of all or no bits,
-                # near the speed of a product by the winner mask, without its NaN * 0
+                # dy where the tap won, +0 elsewhere: dy's bits times the 0/1 winner mask, a
+                # select at the speed of the float product, which would make NaN * 0 a NaN
                 np.equal(a, k, out=m)
-                np.negative(m.view(np.int8), out=ti, casting="unsafe")
                 if p in started:
-                    np.bitwise_and(ti, d, out=ti)
+                    np.multiply(d, m, out=t.view(bits))
                     flat[p, off:off + size] += t
                     continue
                 started.add(p)
-                np.bitwise_and(ti, d, out=flat[p, off:off + size].view(bits))
+                np.multiply(d, m, out=flat[p, off:off + size].view(bits))
                 flat[p, :off] = 0
                 flat[p, off + size:n * g.span] = 0
             g.merge(grads, dx3[p0:p1])
