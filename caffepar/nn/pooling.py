@@ -11,7 +11,7 @@ the process's cores (`run_parts`), each thread with its own block buffers.
 With the compiled kernels (`caffepar.nn.native`) the same phase layout is made one plane at a
 time, so it stays in cache (stride-2 rows split by vector permutes, the cells outside the image
 filled once per call), a run of planes per call, the runs side by side; they keep the NumPy
-code's winner layout and order of sums.
+code's winner layout and order of sums (for MAX's backward, Caffe's order).
 """
 import math
 import threading
@@ -233,11 +233,11 @@ def max_pool_mask(g, arg):
 
 def max_pool_backward(g, arg, dy, dx):
     """Route dy to the winners; `arg` as max_pool_forward returned it. As Caffe's loop does: dx
-    from +0, each dy added to its winner only (selected, not multiplied by a mask: a NaN dy
-    reaches no other cell), and a cell winning several windows adds them in Caffe's window
-    order, which is the reverse of the kernel-offset order (a later window along an axis holds
-    the cell at an earlier offset). The +0 added for the windows a cell did not win changes no
-    sum that starts from +0."""
+    from +0, each dy added to its winner only (selected, its bits and not its value multiplied
+    by the winner mask: a NaN dy reaches no other cell), and a cell winning several windows
+    adds them in Caffe's window order, which is the reverse of the kernel-offset order (a later
+    window along an axis holds the cell at an earlier offset). The +0 added for the windows a
+    cell did not win changes no sum that starts from +0."""
     dy3, dx3 = g.planes(dy, g.oh, g.ow), g.planes(dx, g.h, g.w)
     k = _kernels(dy, dx)
     if k is not None:
