@@ -450,9 +450,8 @@ class Net:
             run = False
         if run:
             with np.errstate(all="ignore"):
-                layer.backward(self._blobs_of(self.top_ids[i]),
-                                        self.bottom_need_backward[i],
-                                        self._blobs_of(self.bottom_ids[i]))
+                layer.backward(self._blobs_of(self.top_ids[i]), self.bottom_need_backward[i],
+                               self._blobs_of(self.bottom_ids[i]))
         for o in self.observers:
             o.layer_end("backward", i)
 

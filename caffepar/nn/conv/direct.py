@@ -16,11 +16,13 @@ skip them too: counting every tap, they would run faster than the FMA units can)
 dw uses the same layouts (a tile of taps x channel vectors summed over images and pixels); dx
 is the forward kernel on dy, padded for the flipped kernel (for a strided layer, spread over the
 stride grid first: a cost that grows with the stride, which the engine measurement weighs), with
-flipped weights. Work is cut in parts (runs of images x output
-rows, or x input channels for dw) run side by side with ``run_parts``; each run of images sums
-its own dw, and db from the same dy, and the runs' sums are added in order
-(``geometry.SUM_PARTS`` runs at most), so they round the same way whichever thread ran which
-run.
+flipped weights. The forward and stride-1 dx passes share the images out between the threads
+one at a time (each thread makes one call; the kernel takes the next image from a shared
+counter). dw is cut in runs of images run side by side with ``run_parts``, each summing its own
+dw, and db from the same dy, and the runs' sums are added in order (``geometry.SUM_PARTS`` runs
+at most), so they round the same way whichever thread ran which run. On a batch of under two
+images per thread the passes go step by step over the whole batch, in runs of images x output
+rows, or x input channels for dw.
 """
 import functools
 
