@@ -56,9 +56,9 @@ def benchmark(net, iterations, progress=None, comm=None, options=None, cost_mode
         for _ in range(2 if comm is None or comm.size == 1 else 1):
             before = calibrate.measured()
             for i in range(n):
-                net.forward_layer(i)
+                net.forward_layer(i, 0.0, 0, n - 1)
             for i in range(n - 1, -1, -1):
-                net.backward_layer(i)
+                net.backward_layer(i, True, n - 1, 0)
             if calibrate.measured() == before:
                 break
     finally:
@@ -73,11 +73,11 @@ def benchmark(net, iterations, progress=None, comm=None, options=None, cost_mode
             sync.begin_pass(it, armed=True)
         for i in range(n):
             t0 = clock()
-            net.forward_layer(i)
+            net.forward_layer(i, 0.0, 0, n - 1)     # whole passes: ReLUs folded as in training
             fwd[i] += clock() - t0
         for i in range(n - 1, -1, -1):
             t0 = clock()
-            net.backward_layer(i)
+            net.backward_layer(i, True, n - 1, 0)
             bwd[i] += clock() - t0
         if sync is not None:
             sync.finish()
@@ -144,8 +144,10 @@ def format_benchmark(net, result, engines=False):
         if hasattr(net.layers[i], "engine"):
             shape = net.blob_list[net.bottom_ids[i][0]].shape
             engine = f"\tengine: {net.layers[i].engine(shape)}"
-        lines.append(f"{name:>{width}}\tforward: {f:.4f} ms.{engine}")
-        lines.append(f"{name:>{width}}\tbackward: {b:.4f} ms.{comm}")
+        fold = f"\t(runs inside {net._layer_names[i - 1]})" if i in net.relu_in_producer else ""
+        lines.append(f"{name:>{width}}\tforward: {f:.4f} ms.{engine}{fold}")
+        fold = f"\t(runs inside {net._layer_names[i + 1]})" if i in net.relu_in_consumer else ""
+        lines.append(f"{name:>{width}}\tbackward: {b:.4f} ms.{comm}{fold}")
     fsum, bsum = result.forward_ms.sum(), result.backward_ms.sum()
     lines += [f"Average Forward pass: {fsum:.4f} ms.",
               f"Average Backward pass: {bsum:.4f} ms."]

@@ -9,8 +9,9 @@ AVX-512 host: the AVX2 result until a real AVX2 host is met).
                                   [--caffe PATH/TO/caffe] [--out results/cpu_speed_<cpu>]
 
 Per net, each round runs in turn:
-- one training iteration (forward + backward + SGD update) of caffepar and of the same
-  architecture in PyTorch on the CPU with the same thread count (`pip install torch==2.13.0`);
+- training iterations (forward + backward + SGD update) of caffepar and of the same
+  architecture in PyTorch on the CPU with the same thread count (`pip install torch==2.13.0`),
+  each side --repeat times and for --budget seconds at least;
 - forward + backward as `caffepar time` runs it and, with --caffe, `caffe time` on the same
   prototxt (models/<net>/train_val_dummy.prototxt, Caffe in a subprocess, with the same
   OPENBLAS_* settings);
@@ -187,6 +188,10 @@ def main():
     ap.add_argument("--nets", default=",".join(NETS))
     ap.add_argument("--repeat", type=int, default=3, help="runs per round")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per net")
+    ap.add_argument("--budget", type=float, default=0.5,
+                    help="seconds of training steps per side and round at least (runs beyond "
+                         "--repeat): a short step (cifar10_quick's 40 ms) gets a dozen samples "
+                         "where host noise moves single runs by 15-25%%")
     ap.add_argument("--caffe", default=None, help="a BVLC Caffe `caffe` binary to compare with")
     ap.add_argument("--out", default=None,
                     help="write OUT.md, OUT.csv and OUT.png (default: results/cpu_speed_<cpu>; "
@@ -236,7 +241,8 @@ def main():
         step_s = [np.inf] * len(steps)
         fb_ms = [np.inf] * len(timers)
         for _ in range(args.rounds):        # alternating: every side in every round
-            step_s = [min(a, b) for a, b in zip(step_s, fastest(steps, args.repeat, 1))]
+            step_s = [min(a, b) for a, b in zip(step_s, fastest(steps, args.repeat, 1,
+                                                                args.budget))]
             fb_ms = [min(a, t()) for a, t in zip(fb_ms, timers)]
         update_ms = fastest([update], args.repeat, args.rounds)[0] * 1e3
         row = {"net": name, "batch": batch, "caffepar_step_ms": step_s[0] * 1e3,
@@ -266,6 +272,7 @@ def main():
         write_results(Path(args.out), rows, pool, dict(
             cpu=f"{cpu_name()} [{cpu_key()}; {native.cpu_model()}]", threads=threads, sgemm=rate, kernels=kernels, started=started,
             load=(load_start, load_end), caffe=args.caffe, rounds=args.rounds,
+            repeat=args.repeat, budget=args.budget,
             coretype=os.environ.get("OPENBLAS_CORETYPE", "(OpenBLAS's choice)"),
             builds=", ".join(f"{v}={os.environ[v]}" for v in ("CAFFEPAR_CFLAGS",
                                                              "ATEN_CPU_CAPABILITY",
@@ -314,8 +321,9 @@ def write_results(out, rows, pool, info):
         "# CPU speed: caffepar vs PyTorch 2.13 and BVLC Caffe",
         "",
         f"Written by `python scripts/bench_train.py` ({info['rounds']} alternating rounds per "
-        f"net, fastest counts; the nets may be measured in runs of their own, each row with its "
-        f"time and load). CPU: {info['cpu']}; {info['threads']} "
+        f"net, each side's training step run at least {info['repeat']} times and "
+        f"{info['budget']:g} s per round, fastest counts; the nets may be measured in runs of "
+        f"their own, each row with its time and load). CPU: {info['cpu']}; {info['threads']} "
         f"thread(s); OPENBLAS_CORETYPE {info['coretype']}; NumPy SGEMM {info['sgemm']:.0f} "
         f"GFLOP/s; caffepar kernels: {info['kernels']}" +
         (f" ({info['builds']}: code for another instruction set than the host's best)"

@@ -278,3 +278,85 @@ def test_huge_net_build_shows_progress_and_too_huge_is_refused_up_front(tmp_path
     assert ended.value.code == 1
     assert err.strip() == (f"caffepar: {path}: error: the net has 1,000 layers: building them "
                            "needs about 4 MB, and this machine has 3 MB available")
+
+
+FOLD_NET = """
+  layer { name: "in" type: "Input" top: "x" top: "t"
+          input_param { shape { dim: 6 dim: 3 dim: 12 dim: 12 } shape { dim: 6 dim: 8 dim: 6 dim: 6 } } }
+  layer { name: "conv1" type: "Convolution" bottom: "x" top: "conv1"
+          convolution_param { num_output: 16 kernel_size: 3 pad: 1
+                              weight_filler { type: "gaussian" std: 0.3 }
+                              bias_filler { type: "gaussian" std: 0.3 } } }
+  layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" %(relu)s }
+  layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+          pooling_param { pool: %(pool)s kernel_size: 3 stride: 2 } }
+  layer { name: "relu2" type: "ReLU" bottom: "pool1" top: "pool1" %(relu)s }
+  layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+          convolution_param { num_output: 8 kernel_size: 3 pad: 1
+                              weight_filler { type: "gaussian" std: 0.3 }
+                              bias_filler { type: "gaussian" std: 0.3 } } }
+  layer { name: "relu3" type: "ReLU" bottom: "conv2" top: "conv2" %(relu)s }
+  layer { name: "loss" type: "EuclideanLoss" bottom: "conv2" bottom: "t" top: "loss" }
+  force_backward: true
+"""
+
+
+@pytest.mark.parametrize("pool", ["MAX", "AVE"])
+@pytest.mark.parametrize("slope", [0.0, 0.25])
+@pytest.mark.parametrize("kernels,engine,threads", [("native", "direct", 2),
+                                                    ("native", "direct", 1),
+                                                    ("native", "im2col", 2),
+                                                    ("numpy", "", 1)])
+def test_folded_relus_give_the_bits_of_relu_layers_run_alone(pool, slope, kernels, engine,
+                                                             threads, monkeypatch):
+    """In-place ReLUs run inside the Convolution or Pooling beside them when the net runs a
+    span of layers (forward into the layer before, backward into the layer after), and every
+    blob's data and diff and every parameter diff come out bit for bit as when each layer runs
+    alone; a span ending at the layer before a ReLU leaves its top as that layer made it."""
+    from caffepar.nn import native
+    from caffepar.nn.conv import direct
+    if kernels == "native":
+        try:
+            with native.use("native"):
+                native.kernels("float32")
+        except native.KernelBuildError as e:
+            pytest.skip(f"compiled kernels unavailable: {e}")
+    monkeypatch.setenv("CAFFEPAR_KERNELS", kernels)
+    if engine:
+        monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", engine)
+    monkeypatch.setattr(direct, "blas_threads", lambda: threads)
+    relu = f"relu_param {{ negative_slope: {slope} }}" if slope else ""
+    net = Net(P(FOLD_NET % {"relu": relu, "pool": pool}), TRAIN)
+    folds_back = pool == "AVE" or slope == 0       # a MAX backward folds slope 0 alone
+    assert net.relu_in_producer == {2: slope, 4: slope, 6: slope}
+    assert net.relu_in_consumer == ({2: slope, 4: slope} if folds_back else {4: slope})
+    rng = np.random.default_rng(3)
+    for name in ("x", "t"):
+        net.blobs[name].data[...] = rng.standard_normal(net.blobs[name].shape)
+
+    def state():
+        return ({n: (b.data.copy(), b.diff.copy()) for n, b in net.blobs.items()},
+                net.param_diff.copy())
+
+    net.clear_param_diffs()
+    for i in range(len(net.layers)):
+        net.forward_layer(i)
+    for i in reversed(range(len(net.layers))):
+        net.backward_layer(i, net.layer_need_backward[i])
+    alone = state()
+    for name, blob in net.blobs.items():      # stale values wherever a pass fails to write
+        if name not in ("x", "t", "loss"):
+            blob.data[...] = blob.diff[...] = 7
+    net.clear_param_diffs()
+    net.forward_from_to()
+    net.backward_from_to()
+    folded = state()
+    for name, (data, diff) in alone[0].items():
+        np.testing.assert_array_equal(folded[0][name][0], data, err_msg=f"{name} data")
+        np.testing.assert_array_equal(folded[0][name][1], diff, err_msg=f"{name} diff")
+    np.testing.assert_array_equal(folded[1], alone[1])
+
+    net.forward(end="conv1")
+    assert (net.blobs["conv1"].data < 0).any()      # relu1 not in the span: not applied
+    net.forward(start="relu1", end="relu1")
+    np.testing.assert_array_equal(net.blobs["conv1"].data, alone[0]["conv1"][0])

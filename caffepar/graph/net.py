@@ -6,7 +6,7 @@ parameters then live in one flat data buffer and one flat diff buffer (every par
 view), so a data-parallel run can reduce every gradient with a single call.
 """
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from itertools import zip_longest
 
 import numpy as np
@@ -227,6 +227,30 @@ class Net:
         self.output_ids = [blob_index[n] for n in sorted(available)]
         self._share_params()
         self._index()
+        self._fold_relus()
+
+    def _fold_relus(self):
+        """Which in-place ReLUs run inside a neighbour's passes (Layer.folds_relu): in
+        forward, inside the layer before that makes their blob (its only top, no loss on it);
+        in backward, inside the layer after that takes it (its only bottom, nothing else
+        reading it). {ReLU index: negative_slope} for each direction; a ReLU folded in a
+        direction does not run itself when its neighbour runs in the same pass."""
+        self.relu_in_producer, self.relu_in_consumer = {}, {}
+        readers = Counter(b for ids in self.bottom_ids for b in ids)
+        for r, relu in enumerate(self.layers):
+            if (relu.type != "ReLU" or len(self.bottom_ids[r]) != 1
+                    or self.top_ids[r] != self.bottom_ids[r] or any(relu.loss_weights)):
+                continue
+            blob, slope = self.bottom_ids[r][0], relu.slope
+            p, c = r - 1, r + 1
+            if (p >= 0 and self.top_ids[p] == [blob] and not any(self.layers[p].loss_weights)
+                    and self.layers[p].folds_relu(True, slope)):
+                self.relu_in_producer[r] = slope
+            if (c < len(self.layers) and self.bottom_ids[c] == [blob] and readers[blob] == 2
+                    and blob not in self.top_ids[c] and self.layer_need_backward[r]
+                    and self.layer_need_backward[c] and self.bottom_need_backward[c][0]
+                    and self.layers[c].folds_relu(False, slope)):
+                self.relu_in_consumer[r] = slope
 
     def _decide_backward(self, param, blob_need_backward):
         """Caffe's rule: only layers on a path to a loss run backward; force_backward overrides."""
@@ -379,24 +403,31 @@ class Net:
         end = len(self.layers) - 1 if end is None else end
         loss = 0.0
         for i in range(start, end + 1):
-            loss = self.forward_layer(i, loss)
+            loss = self.forward_layer(i, loss, start, end)
         return loss
 
     def backward_from_to(self, start=None, end=0):
         start = len(self.layers) - 1 if start is None else start
         for i in range(start, end - 1, -1):
-            self.backward_layer(i, self.layer_need_backward[i])
+            self.backward_layer(i, self.layer_need_backward[i], start, end)
 
-    def forward_layer(self, i, loss=0.0):
-        """Reshape and forward layer i; return `loss` plus the weighted loss of its tops."""
+    def forward_layer(self, i, loss=0.0, start=None, end=None):
+        """Reshape and forward layer i; return `loss` plus the weighted loss of its tops. In a
+        pass over layers start .. end, a ReLU folded into the layer before it (_fold_relus)
+        runs there when both are in the pass."""
         layer = self.layers[i]
         bottoms = self._blobs_of(self.bottom_ids[i])
         tops = self._blobs_of(self.top_ids[i])
+        folded = start is not None and start < i and i in self.relu_in_producer
+        relu = self.relu_in_producer.get(i + 1) if start is not None and i < end else None
         for o in self.observers:
             o.layer_start("forward", i)
+        if relu is not None or layer.relu_top is not None:
+            layer.relu_top = relu
         with np.errstate(all="ignore"):     # non-finite values are Caffe's to carry, ours
             layer.reshape(bottoms, tops)    # to report once (the solver's non-finite check)
-            layer.forward(bottoms, tops)
+            if not folded:
+                layer.forward(bottoms, tops)
         for j, top in enumerate(tops):
             if layer.loss_weights[j]:
                 loss += float(np.vdot(top.data, top.diff))
@@ -404,16 +435,23 @@ class Net:
             o.layer_end("forward", i)
         return loss
 
-    def backward_layer(self, i, run=True):
+    def backward_layer(self, i, run=True, start=None, end=None):
         """Backward of layer i when `run`; observers hear of the layer either way, so one
-        that waits for a parameter's gradient learns when backward has passed its layer."""
+        that waits for a parameter's gradient learns when backward has passed its layer. In a
+        pass from layer start down to end, a ReLU folded into the layer after it runs there
+        when both are in the pass."""
         for o in self.observers:
             o.layer_start("backward", i)
+        layer = self.layers[i]
+        relu = self.relu_in_consumer.get(i - 1) if start is not None and i > end else None
+        if relu is not None or layer.relu_bottom is not None:
+            layer.relu_bottom = relu
+        if start is not None and i < start and i in self.relu_in_consumer:
+            run = False
         if run:
             with np.errstate(all="ignore"):
-                self.layers[i].backward(self._blobs_of(self.top_ids[i]),
-                                        self.bottom_need_backward[i],
-                                        self._blobs_of(self.bottom_ids[i]))
+                layer.backward(self._blobs_of(self.top_ids[i]), self.bottom_need_backward[i],
+                               self._blobs_of(self.bottom_ids[i]))
         for o in self.observers:
             o.layer_end("backward", i)
 

@@ -105,6 +105,13 @@ class Layer:
     max_tops = None
     is_loss = False
     auto_top_blobs = False
+    #: The negative_slope of an in-place ReLU the net has this call of forward apply to
+    #: top[0] as it is written (the ReLU layer itself then does not run), or None.
+    relu_top = None
+    #: The negative_slope of an in-place ReLU on bottom[0] whose backward this call of backward
+    #: applies to bottom[0].diff as it is written (bottom[0].data holds the ReLU's output), or
+    #: None.
+    relu_bottom = None
 
     def __init__(self, param, phase=1, dtype=np.float32, where=None):
         self.param = param
@@ -171,6 +178,14 @@ class Layer:
 
     def allow_force_backward(self, bottom_index):
         return True
+
+    def folds_relu(self, top, slope):
+        """Whether this layer can run an in-place ReLU of negative_slope `slope` inside its own
+        passes (relu_top, relu_bottom): on its top[0] in forward (top=True) or on its bottom[0]
+        in backward (top=False). Where a pass cuts its work in parts, the ReLU runs on each
+        part's share while it is in cache, with no pass over memory and no hand-out of its own
+        (as oneDNN's post-ops run)."""
+        return False
 
     # Helpers for subclasses.
     def add_param_blob(self, shape, filler=None):

@@ -79,6 +79,47 @@ def _sigmoid(x, out):
     return out
 
 
+def relu_forward(x, y, slope, scratch=None):
+    """y = max(x, 0) + slope * min(x, 0), side by side on the cores; scratch(name, size,
+    dtype) gives the NumPy path its chunk buffers (default: fresh ones)."""
+    scratch = scratch or (lambda name, size, dtype: np.empty(min(CHUNK, size), dtype))
+    k = _compiled(x, y)
+    if k is not None:       # 3-4x NumPy's np.maximum, which also checks for NaNs
+        _side_by_side(k.relu_forward, (x, y), (slope,))
+        return
+    if slope == 0:
+        np.maximum(x, 0, out=y)
+        return
+    buf = scratch("neg", x.size, x.dtype)
+    for xc, yc in _chunks(x, y):
+        t = buf[:len(xc)]
+        np.minimum(xc, 0, out=t)
+        t *= slope
+        np.maximum(xc, 0, out=yc)
+        yc += t
+
+
+def relu_backward(x, dy, dx, slope, scratch=None):
+    """dx = dy where x > 0, else dy * slope (x: the ReLU's input, or its output in place)."""
+    scratch = scratch or (lambda name, size, dtype: np.empty(min(CHUNK, size), dtype))
+    k = _compiled(x, dy, dx)
+    if k is not None:
+        _side_by_side(k.relu_backward, (x, dy, dx), (slope,))
+        return
+    positive = scratch("positive", x.size, bool)
+    if slope == 0:
+        for xc, dyc, dxc in _chunks(x, dy, dx):
+            m = positive[:len(xc)]
+            np.greater(xc, 0, out=m)
+            np.multiply(dyc, m, out=dxc)
+        return
+    one, s = dx.dtype.type(1), dx.dtype.type(slope)
+    for xc, dyc, dxc in _chunks(x, dy, dx):
+        m = positive[:len(xc)]
+        np.greater(xc, 0, out=m)
+        np.multiply(dyc, np.where(m, one, s), out=dxc)
+
+
 @register("ReLU")
 class ReLULayer(NeuronLayer):
     """max(x, 0) + negative_slope * min(x, 0)."""
@@ -87,42 +128,11 @@ class ReLULayer(NeuronLayer):
         self.slope = float(self.param.relu_param.negative_slope)
 
     def forward(self, bottom, top):
-        x, y = bottom[0].data, top[0].data
-        k = _compiled(x, y)
-        if k is not None:       # 3-4x NumPy's np.maximum, which also checks for NaNs
-            _side_by_side(k.relu_forward, (x, y), (self.slope,))
-            return
-        if self.slope == 0:
-            np.maximum(x, 0, out=y)
-            return
-        scratch = self.scratch("neg", x.size, self.dtype)
-        for xc, yc in _chunks(x, y):
-            t = scratch[:len(xc)]
-            np.minimum(xc, 0, out=t)
-            t *= self.slope
-            np.maximum(xc, 0, out=yc)
-            yc += t
+        relu_forward(bottom[0].data, top[0].data, self.slope, self.scratch)
 
     def backward(self, top, propagate_down, bottom):
-        if not propagate_down[0]:
-            return
-        x, dy, dx = bottom[0].data, top[0].diff, bottom[0].diff
-        k = _compiled(x, dy, dx)
-        if k is not None:
-            _side_by_side(k.relu_backward, (x, dy, dx), (self.slope,))
-            return
-        positive = self.scratch("positive", x.size, bool)
-        if self.slope == 0:
-            for xc, dyc, dxc in _chunks(x, dy, dx):
-                m = positive[:len(xc)]
-                np.greater(xc, 0, out=m)
-                np.multiply(dyc, m, out=dxc)
-            return
-        one, slope = self.dtype.type(1), self.dtype.type(self.slope)
-        for xc, dyc, dxc in _chunks(x, dy, dx):
-            m = positive[:len(xc)]
-            np.greater(xc, 0, out=m)
-            np.multiply(dyc, np.where(m, one, slope), out=dxc)
+        if propagate_down[0]:
+            relu_backward(bottom[0].data, top[0].diff, bottom[0].diff, self.slope, self.scratch)
 
 
 @register("PReLU")

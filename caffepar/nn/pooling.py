@@ -21,6 +21,7 @@ import numpy as np
 from caffepar.nn import native
 from caffepar.nn.base import Layer, register
 from caffepar.nn.blas import blas_threads, run_parts, split_parts
+from caffepar.nn.neuron import relu_backward, relu_forward
 from caffepar.proto import caffe_pb2
 
 PP = caffe_pb2.PoolingParameter
@@ -117,16 +118,21 @@ class PoolGeometry:
         workers = blas_threads()
         run_parts(fn, split_parts(self.blocks(n_planes, workers)), workers)
 
-    def run_native(self, kernel, arrays, n_planes, extra=()):
+    def run_native(self, kernel, arrays, n_planes, extra=(), after=None):
         """A compiled kernel over runs of planes side by side; `arrays` are C-contiguous with
-        planes first. Returns the sum of the kernel's results (negative: out of memory)."""
+        planes first. Returns the sum of the kernel's results (negative: out of memory).
+        after(p0, p1), if given, follows the kernel on each run of planes (a folded ReLU)."""
         dims = (self.h, self.w, self.oh, self.ow, self.kh, self.kw, self.sh, self.sw,
                 self.ph, self.pw) + tuple(extra)
         bases = [(native.ptr(a), a.strides[0]) for a in arrays]
 
         def run(runs):
-            return sum(kernel(*[b + p0 * s for b, s in bases], p1 - p0, *dims)
-                       for p0, p1 in runs)
+            done = 0
+            for p0, p1 in runs:
+                done += kernel(*[b + p0 * s for b, s in bases], p1 - p0, *dims)
+                if after is not None:
+                    after(p0, p1)
+            return done
 
         workers = blas_threads()
         runs = [(p[0], p[-1] + 1) for p in split_parts(range(n_planes), 4 * workers)] \
@@ -173,18 +179,42 @@ def _kernels(a, b):
     return native.kernels(a.dtype)
 
 
-def max_pool_forward(g, x, out):
+def _relu_on_planes(k, y3, slope):
+    """after(p0, p1) for run_native: a folded ReLU's forward on planes p0 .. p1 of y3, in
+    place (None without a ReLU)."""
+    if slope is None:
+        return None
+    base, stride, size = native.ptr(y3), y3.strides[0], y3[0].size
+    return lambda p0, p1: k.relu_forward(base + p0 * stride, base + p0 * stride,
+                                         (p1 - p0) * size, slope)
+
+
+def _relu_diff_on_planes(k, gate3, dx3, slope):
+    """after(p0, p1) for run_native: a folded ReLU's backward on planes p0 .. p1 of dx3 in
+    place, gate3 holding the ReLU's output (None without a ReLU)."""
+    if slope is None:
+        return None
+    if gate3.dtype != dx3.dtype or not gate3.flags.c_contiguous:
+        gate3 = np.ascontiguousarray(gate3, dx3.dtype)
+    gate, base = native.ptr(gate3), native.ptr(dx3)
+    gs, ds, size = gate3.strides[0], dx3.strides[0], dx3[0].size
+    return lambda p0, p1: k.relu_backward(gate + p0 * gs, base + p0 * ds, base + p0 * ds,
+                                          (p1 - p0) * size, slope)
+
+
+def max_pool_forward(g, x, out, relu=None):
     """Max pooling into `out`; returns the winning kernel offset per output (-1: none) in the
     padded (planes, rows, cols) layout that max_pool_backward reads (g.compact gives the
     (N, C, OH, OW) view). Like Caffe's strict '>' scan from -FLT_MAX: NaNs never win and ties
     keep the first cell in row-major window order. Offsets grow along the scan, so the last
-    strict improvement is the largest offset that improved: arg = max_k(k * improved_k)."""
+    strict improvement is the largest offset that improved: arg = max_k(k * improved_k).
+    With relu (a negative_slope), a folded ReLU follows on `out`."""
     x3, y3 = g.planes(x, g.h, g.w), g.planes(out, g.oh, g.ow)
     args = np.empty((len(x3), g.rows, g.cols), _index_dtype(g.kh * g.kw))
     k = _kernels(x, out)
     if k is not None:
         g.run_native(k.max_pool_forward, (x3, y3, args), len(x3),
-                     (g.rows, g.cols, args.itemsize))
+                     (g.rows, g.cols, args.itemsize), _relu_on_planes(k, y3, relu))
         return args
 
     def run(blocks):
@@ -218,6 +248,8 @@ def max_pool_forward(g, x, out):
     none = out == NEG_FLT_MAX
     if none.any():
         np.copyto(g.compact(args, out.shape), -1, where=none)
+    if relu is not None:
+        relu_forward(out, out, relu)
     return args
 
 
@@ -231,19 +263,25 @@ def max_pool_mask(g, arg):
     return np.where(arg < 0, -1, idx)
 
 
-def max_pool_backward(g, arg, dy, dx):
+def max_pool_backward(g, arg, dy, dx, relu=None, gate=None):
     """Route dy to the winners; `arg` as max_pool_forward returned it. As Caffe's loop does: dx
     from +0, each dy added to its winner only (selected, its bits and not its value multiplied
     by the winner mask: a NaN dy reaches no other cell), and a cell winning several windows
     adds them in Caffe's window order, which is the reverse of the kernel-offset order (a later
     window along an axis holds the cell at an earlier offset). The +0 added for the windows a
-    cell did not win changes no sum that starts from +0."""
+    cell did not win changes no sum that starts from +0. With relu (a negative_slope of 0:
+    applied twice where windows have no winner), a folded ReLU's backward follows on dx, gate
+    holding its output."""
     dy3, dx3 = g.planes(dy, g.oh, g.ow), g.planes(dx, g.h, g.w)
     k = _kernels(dy, dx)
     if k is not None:
+        after = _relu_diff_on_planes(k, g.planes(gate, g.h, g.w), dx3, relu) \
+            if relu is not None else None
         if g.run_native(k.max_pool_backward, (dy3, dx3, arg), len(dx3),
-                        (g.rows, g.cols, arg.itemsize)):
+                        (g.rows, g.cols, arg.itemsize), after):
             _scatter_unassigned(g.compact(arg, dy.shape) < 0, dy, dx)
+            if relu is not None:
+                relu_backward(gate, dx, dx, relu)
         return
 
     bits = np.dtype(f"u{dx.dtype.itemsize}")
@@ -279,6 +317,8 @@ def max_pool_backward(g, arg, dy, dx):
     none = g.compact(arg, dy.shape) < 0
     if none.any():
         _scatter_unassigned(none, dy, dx)
+    if relu is not None:
+        relu_backward(gate, dx, dx, relu)
 
 
 def _scatter_unassigned(none, dy, dx):
@@ -332,11 +372,13 @@ def global_max_backward(arg, dy, dx):
         _scatter_unassigned(none, dy, dx)
 
 
-def ave_pool_forward(g, x, out):
+def ave_pool_forward(g, x, out, relu=None):
+    """Average pooling into `out`, then a folded ReLU of negative_slope relu if given."""
     x3, y3 = g.planes(x, g.h, g.w), g.planes(out, g.oh, g.ow)
     k = _kernels(x, out)
     if k is not None:
-        g.run_native(k.ave_pool_forward, (x3, y3), len(x3), (g.rows, g.cols))
+        g.run_native(k.ave_pool_forward, (x3, y3), len(x3), (g.rows, g.cols),
+                     _relu_on_planes(k, y3, relu))
         return
     divisor = g.ave_divisor(out.dtype)
 
@@ -356,13 +398,19 @@ def ave_pool_forward(g, x, out):
             np.divide(total[:n, :g.oh, :g.ow], divisor, out=y3[p0:p1])
 
     g.run(run, len(x3))
+    if relu is not None:
+        relu_forward(out, out, relu)
 
 
-def ave_pool_backward(g, dy, dx):
+def ave_pool_backward(g, dy, dx, relu=None, gate=None):
+    """dy spread over the windows into dx, then with relu a folded ReLU's backward on dx, gate
+    holding its output."""
     dy3, dx3 = g.planes(dy, g.oh, g.ow), g.planes(dx, g.h, g.w)
     k = _kernels(dy, dx)
     if k is not None:
-        g.run_native(k.ave_pool_backward, (dy3, dx3), len(dx3), (g.rows, g.cols))
+        after = _relu_diff_on_planes(k, g.planes(gate, g.h, g.w), dx3, relu) \
+            if relu is not None else None
+        g.run_native(k.ave_pool_backward, (dy3, dx3), len(dx3), (g.rows, g.cols), after)
         return
     divisor = g.ave_divisor(dx.dtype)
 
@@ -383,6 +431,8 @@ def ave_pool_backward(g, dy, dx):
             g.merge(grads, dx3[p0:p1])
 
     g.run(run, len(dx3))
+    if relu is not None:
+        relu_backward(gate, dx, dx, relu)
 
 
 @register("Pooling")
@@ -472,14 +522,21 @@ class PoolingLayer(Layer):
             if self.global_pooling:
                 self.arg = global_max_forward(x, y)
             else:
-                self.arg = max_pool_forward(g, x, y)
+                self.arg = max_pool_forward(g, x, y, self.relu_top)
             if len(top) > 1:
                 arg = self.arg if self.global_pooling else g.compact(self.arg, y.shape)
                 top[1].data[...] = max_pool_mask(g, arg)
         elif self.global_pooling:
             y.reshape(y.shape[:2])[...] = x.mean(axis=(2, 3))
         else:
-            ave_pool_forward(g, x, y)
+            ave_pool_forward(g, x, y, self.relu_top)
+
+    def folds_relu(self, top, slope):
+        """MAX and AVE pooling, not global: a ReLU after it in forward, or before it in backward
+        (for MAX, negative_slope 0 alone: max_pool_backward)."""
+        if self.method not in (PP.MAX, PP.AVE) or self.global_pooling:
+            return False
+        return top or self.method == PP.AVE or slope == 0
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -491,14 +548,16 @@ class PoolingLayer(Layer):
         if self.method == PP.MAX:
             if len(top) > 1:
                 max_pool_backward_from_mask(g, top[1].data, dy, dx)
+                if self.relu_bottom is not None:
+                    relu_backward(bottom[0].data, dx, dx, self.relu_bottom)
             elif self.global_pooling:
                 global_max_backward(self.arg, dy, dx)
             else:
-                max_pool_backward(g, self.arg, dy, dx)
+                max_pool_backward(g, self.arg, dy, dx, self.relu_bottom, bottom[0].data)
         elif self.global_pooling:
             dx[...] = (dy / (g.h * g.w)).reshape(dy.shape[0], dy.shape[1], 1, 1)
         else:
-            ave_pool_backward(g, dy, dx)
+            ave_pool_backward(g, dy, dx, self.relu_bottom, bottom[0].data)
 
 
 def spp_level_geometry(level, h, w):

@@ -152,6 +152,11 @@ class _ConvolutionBase(Layer):
                                  batch=self.batch, dtype=self.blobs[0].data.dtype,
                                  need_dx=need_dx, need_dw=need_dw, transposed=self.transposed)
 
+    def folds_relu(self, top, slope):
+        """A convolution (not a deconvolution) with one bottom and top: a ReLU after it in
+        forward, or before it in backward (inside the direct engine's passes)."""
+        return not self.transposed and len(self.param.bottom) == 1
+
     def forward(self, bottom, top):
         w = self.blobs[0].data
         b = self.blobs[1].data if self.bias_term else None
@@ -160,7 +165,8 @@ class _ConvolutionBase(Layer):
             if self.transposed:
                 y = conv.deconv_forward(self._as_nc(bt.data), w, b, *self._kernels(), out=out)
             else:
-                y = conv.conv_forward(self._as_nc(bt.data), w, b, *self._kernels(), out=out)
+                y = conv.conv_forward(self._as_nc(bt.data), w, b, *self._kernels(), out=out,
+                                      relu=self.relu_top)
             if out is None:
                 tp.data[...] = y.reshape(tp.shape)
 
@@ -172,9 +178,11 @@ class _ConvolutionBase(Layer):
             if not (propagate_down[i] or need_w or need_b):
                 continue
             dx_out = self._nc_view(bt.diff, tp.diff) if propagate_down[i] else None
+            relu = {} if self.relu_bottom is None else {
+                "dx_relu": (self._as_nc(bt.data), self.relu_bottom)}
             dx, dw, db = run(self._as_nc(tp.diff), self._as_nc(bt.data), self.blobs[0].data,
                              *self._kernels(), need_dx=bool(propagate_down[i]),
-                             need_dw=bool(need_w), need_db=bool(need_b), dx_out=dx_out)
+                             need_dw=bool(need_w), need_db=bool(need_b), dx_out=dx_out, **relu)
             if need_w:
                 self.blobs[0].diff += dw
             if need_b:

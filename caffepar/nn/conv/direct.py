@@ -16,11 +16,13 @@ skip them too: counting every tap, they would run faster than the FMA units can)
 dw uses the same layouts (a tile of taps x channel vectors summed over images and pixels); dx
 is the forward kernel on dy, padded for the flipped kernel (for a strided layer, spread over the
 stride grid first: a cost that grows with the stride, which the engine measurement weighs), with
-flipped weights. Work is cut in parts (runs of images x output
-rows, or x input channels for dw) run side by side with ``run_parts``; each run of images sums
-its own dw, and db from the same dy, and the runs' sums are added in order
-(``geometry.SUM_PARTS`` runs at most), so they round the same way whichever thread ran which
-run.
+flipped weights. The forward and stride-1 dx passes share the images out between the threads
+one at a time (each thread makes one call; the kernel takes the next image from a shared
+counter). dw is cut in runs of images run side by side with ``run_parts``, each summing its own
+dw, and db from the same dy, and the runs' sums are added in order (``geometry.SUM_PARTS`` runs
+at most), so they round the same way whichever thread ran which run. On a batch of under two
+images per thread the passes go step by step over the whole batch, in runs of images x output
+rows, or x input channels for dw.
 """
 import functools
 
@@ -83,6 +85,19 @@ def _run(fn, parts):
     run_parts(lambda chunk: [fn(*p) for p in chunk], split_parts(parts))
 
 
+def _shared_out(fn, n, runs=(), run=None):
+    """fn(claim) once per thread, the n images shared out between the calls one at a time
+    through the counter claim (the kernels' claim_first): the threads end within an image of
+    each other, where runs of images handed out whole left one thread idle for up to a run
+    at the end. The runs of images `runs` ((first, count, ...) as _parts cuts them) are handed
+    out first, each to run(first, count): a thread done with them goes on to images."""
+    claim = np.zeros(1, np.int64)
+    address = native.ptr(claim)
+    threads = max(1, min(blas_threads(), n))
+    run_parts(lambda p: fn(address) if p is None else run(*p[:2]),
+              list(runs) + [None] * threads, threads)
+
+
 def _by_images(n):
     """Whether a pass runs as one part per run of images doing all its steps (copies and
     kernels, in cache), rather than step by step over the whole batch: when there are images
@@ -133,16 +148,21 @@ class _Layout:
                                    hp, wp, 0, cp, *g.kernel, ho, wo, *g.stride, *g.dilation,
                                    *inside, r0, r1)
 
-    def forward_nchw(self, x, wt, y, bias, i, m, g, pad, ci0, channels, co0, och, buf):
+    def forward_nchw(self, x, wt, y, bias, i, m, g, pad, ci0, channels, co0, och, buf,
+                     claim=None, relu=None, gate=None):
         """y[i:i + m] channels co0 .. co0 + och (+ bias) = the forward kernel over channels
-        ci0 .. ci0 + channels of x[i:i + m], image by image through one image's buffers."""
+        ci0 .. ci0 + channels of x[i:i + m], image by image through one image's buffers (with
+        claim, a counter shared with other threads' calls: the images they have not taken).
+        With relu (a negative_slope) a folded ReLU follows on each image: its forward, or with
+        gate (its output, y's shape) its backward, y being its diff."""
         _, c_in, h, w = x.shape
         _, c_out, ho, wo = y.shape
         self.k.conv_direct_forward_nchw(
             self.image(x, i), native.ptr(buf["x"]), native.ptr(wt), native.ptr(buf["y"]),
             self.image(y, i), None if bias is None else native.ptr(bias), m, c_in, ci0,
             channels, h, w, *pad, buf["y"].shape[-1], *g.kernel, ho, wo, *g.stride,
-            *g.dilation, c_out, co0, och)
+            *g.dilation, c_out, co0, och, claim, None if gate is None else native.ptr(gate),
+            0.0 if relu is None else relu, int(relu is not None and gate is None))
 
     def weight_gradient_nchw(self, out, db, x, dy, i, m, g, ci0, channels, co0, och, buf):
         """out (C, KH, KW, CP) += the weight gradient of images i .. i + m (channels ci0 ..
@@ -178,16 +198,18 @@ class _Layout:
         vl = self.k.vector_bytes // self.isz
         return g.stride == (1, 1) and cg <= ROWS_MAX_CHANNELS and g.out[1] % vl == 0
 
-    def rows_forward(self, x, wt, y, bias, i, m, g, ci0, channels, co0, och, xp):
+    def rows_forward(self, x, wt, y, bias, i, m, g, ci0, channels, co0, och, xp, claim=None,
+                     relu=None):
         """y[i:i + m] channels co0 .. co0 + och (+ bias) = the rows kernel over channels
-        ci0 .. of x[i:i + m], each image padded into xp."""
+        ci0 .. of x[i:i + m], each image padded into xp (with claim and relu: as
+        forward_nchw)."""
         _, c_in, h, w = x.shape
         _, c_out, ho, wo = y.shape
         self.k.conv_rows_forward(
             self.image(x, i), native.ptr(xp), native.ptr(wt),
             None if bias is None else native.ptr(bias), self.image(y, i), m, c_in, ci0,
             channels, h, w, *g.pad, *g.kernel, *g.dilation, ho, wo, c_out, co0, och,
-            wt.shape[-1])
+            wt.shape[-1], claim, 0.0 if relu is None else relu, int(relu is not None))
 
     def rows_weight_gradient(self, out, db, x, dy, i, m, g, ci0, channels, co0, och, xp):
         """out (C, KH, KW, OP, VL) += the rows kernel's weight gradient of images i .. i + m,
@@ -240,7 +262,9 @@ def _buffers(shapes, dt, n=None):
             for key, shape in shapes.items()}
 
 
-def forward(g, x, w, bias, y, group, dt):
+def forward(g, x, w, bias, y, group, dt, relu=None):
+    """y = the convolution of x; with relu (a negative_slope) a folded ReLU on y too, where
+    the kernels take it (returns whether they did)."""
     lay = _Layout(dt)
     n = x.shape[0]
     o, cg = w.shape[:2]
@@ -251,19 +275,17 @@ def forward(g, x, w, bias, y, group, dt):
         for gi in range(group):
             wt = lay.rows_weights(w[gi * og:(gi + 1) * og])
             b = None if bias is None else np.ascontiguousarray(bias[gi * og:(gi + 1) * og])
-            _run(lambda i, m, _a, _b: lay.rows_forward(
-                x, wt, y, b, i, m, g, gi * cg, cg, gi * og, og,
-                scratch("direct_x", (1, cg, hp, wp), dt)), _parts(n, 1))
-        return
+            _shared_out(lambda claim: lay.rows_forward(
+                x, wt, y, b, 0, n, g, gi * cg, cg, gi * og, og,
+                scratch("direct_x", (1, cg, hp, wp), dt), claim, relu), n)
+        return True
     for gi in range(group):
         wt = lay.weights(w[gi * og:(gi + 1) * og])
         b = None if bias is None else np.ascontiguousarray(bias[gi * og:(gi + 1) * og])
         if _by_images(n):
-            def run(i, m, _r0, _r1):
-                lay.forward_nchw(x, wt, y, b, i, m, g, g.pad, gi * cg, cg, gi * og, og,
-                                 _buffers(shapes, dt, 1))
-
-            _run(run, _parts(n, 1))
+            _shared_out(lambda claim: lay.forward_nchw(
+                x, wt, y, b, 0, n, g, g.pad, gi * cg, cg, gi * og, og, _buffers(shapes, dt, 1),
+                claim, relu), n)
             continue
         buf = _buffers(shapes, dt)
         _run(lambda i, m, _a, _b: lay.pad(buf["x"], x, i, m, gi * cg, cg, g.pad), _parts(n, 1))
@@ -272,20 +294,24 @@ def forward(g, x, w, bias, y, group, dt):
              _parts(n, g.out[0]))
         _run(lambda i, m, _a, _b: lay.from_lanes(buf["y"], y, i, m, gi * og, og, b),
              _parts(n, 1))
+    return _by_images(n)
 
 
-def backward(g, dy, x, w, dx, group, need_dw, dt, need_db=False):
-    """(dw or None, db or None), and dx written in full when dx is given. With need_dw and
-    need_db, the runs of images that sum dw sum db too, while their dy is in cache (a pass of
-    its own over dy took 0.9 ms of cifar10_quick's step on one thread); db is None where the
-    caller must take it itself (dw not needed, or a batch too small for runs of images)."""
+def backward(g, dy, x, w, dx, group, need_dw, dt, need_db=False, dx_relu=None):
+    """(dw or None, db or None, whether dx_relu was applied), and dx written in full when dx
+    is given. With need_dw and need_db, the runs of images that sum dw sum db too, while their
+    dy is in cache (a pass of its own over dy took 0.9 ms of cifar10_quick's step on one
+    thread); db is None where the caller must take it itself (dw not needed, or a batch too
+    small for runs of images). dx_relu, (gate, negative_slope): a folded ReLU's backward on
+    dx, gate its output (x's shape), where the kernels take it."""
     lay = _Layout(dt)
     if need_dw and lay.rows(g, w.shape[1]):
         dw, db = _rows_weight_gradient(lay, g, dy, x, w, group, need_db, dt)
+        done = False
         if dx is not None:
-            _lanes_backward(lay, g, dy, x, w, dx, group, False, False, dt)
-        return dw, db
-    return _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, need_db, dt)
+            done = _lanes_backward(lay, g, dy, x, w, dx, group, False, False, dt, dx_relu)[2]
+        return dw, db, done
+    return _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, need_db, dt, dx_relu)
 
 
 def _rows_weight_gradient(lay, g, dy, x, w, group, need_db, dt):
@@ -327,8 +353,10 @@ def _zero(*arrays):
             a.fill(0)
 
 
-def _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, need_db, dt):
+def _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, need_db, dt, dx_relu=None):
     n = dy.shape[0]
+    gate, slope = dx_relu or (None, None)
+    done = dx is not None and _by_images(n) and g.stride == (1, 1)
     o, cg = w.shape[:2]
     og = o // group
     dw = np.empty(w.shape, dt) if need_dw else None
@@ -352,24 +380,31 @@ def _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, need_db, dt):
             bsums = scratch("direct_bias_sums", (len(runs), _lanes(og, dt)), dt) \
                 if need_db else None
 
+            def dw_run(i, m):
+                r = starts.index(i)
+                _zero(sums[r], None if bsums is None else bsums[r])
+                lay.weight_gradient_nchw(sums[r], None if bsums is None else bsums[r], x, dy,
+                                         i, m, g, gi * cg, cg, gi * og, og,
+                                         _buffers(dw_shapes, dt, dw_group(g, m)))
+
             def run(i, m, _r0, _r1):
                 if need_dw:
-                    r = starts.index(i)
-                    _zero(sums[r], None if bsums is None else bsums[r])
-                    lay.weight_gradient_nchw(sums[r], None if bsums is None else bsums[r], x,
-                                             dy, i, m, g, gi * cg, cg, gi * og, og,
-                                             _buffers(dw_shapes, dt, dw_group(g, m)))
-                if dx is not None and g.stride == (1, 1):
-                    lay.forward_nchw(dy, wt, dx, None, i, m, gt, _dx_pad(g), gi * og, og,
-                                     gi * cg, cg, _buffers(dx_shapes, dt, 1))
-                elif dx is not None:
+                    dw_run(i, m)
+                if dx is not None:
                     buf = _buffers(shapes, dt, m)
                     _spread(lay, buf["dyp"], dy[i:i + m], gi * og, og, g)
                     lay.convolve(buf["dxl"], buf["dyp"], wt, 0, m, gt, dy_inside, 0,
                                  g.in_sp[0])
                     lay.from_lanes(buf["dxl"], dx[i:i + m], 0, m, gi * cg, cg, None)
 
-            _run(run, runs)
+            if dx is not None and g.stride == (1, 1):
+                # dx image by image after the dw runs (whose count the sums' rounding fixes)
+                _shared_out(lambda claim: lay.forward_nchw(
+                    dy, wt, dx, None, 0, n, gt, _dx_pad(g), gi * og, og, gi * cg, cg,
+                    _buffers(dx_shapes, dt, 1), claim, slope, gate),
+                    n, runs if need_dw else (), dw_run)
+            else:
+                _run(run, runs)
         else:
             buf = _buffers(shapes, dt)
             if need_dw:
@@ -393,7 +428,7 @@ def _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, need_db, dt):
             lay.from_runs(sums, dw[gi * og:(gi + 1) * og])
         if need_db:
             lay.from_runs(bsums, db[gi * og:(gi + 1) * og])
-    return dw, db
+    return dw, db, done
 
 
 def _flipped(w):

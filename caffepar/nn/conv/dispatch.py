@@ -9,6 +9,7 @@ from caffepar.nn import calibrate, native
 from caffepar.nn.blas import blas_threads
 from caffepar.nn.conv import band, cols, direct, grid, pointwise, winograd
 from caffepar.nn.conv.geometry import bias_diff, expand, flipped_geom, flipped_weights, geom
+from caffepar.nn.neuron import relu_backward, relu_forward
 
 def rule_engine(g, cg, og, group):
     """The engine fixed thresholds give a shape (without measuring)."""
@@ -185,11 +186,12 @@ def _deliver(result, final):
     return final
 
 
-def conv_forward(x, w, b, stride, pad, dilation, group, out=None):
+def conv_forward(x, w, b, stride, pad, dilation, group, out=None, relu=None):
     """x (N, C, *S), w (O, C//group, *K), b (O,) or None -> y (N, O, *S_out), C-contiguous.
 
     With ``out`` (shape (N, O, *S_out)) the result is written there and
-    returned, saving the caller a copy.
+    returned, saving the caller a copy. With ``relu`` (a negative_slope) a ReLU follows
+    (inside the engine's passes where it can).
     """
     x = np.asarray(x)
     w = np.asarray(w)
@@ -204,16 +206,17 @@ def conv_forward(x, w, b, stride, pad, dilation, group, out=None):
     w = w.astype(dt, copy=False)
     y, final = _target(out, (n, o) + g.out, dt, "conv_forward")
     bias = None if b is None else np.asarray(b, dt).reshape(o)
-    if n:
-        _conv_forward_into(g, x, w, bias, y, group, dt)
+    if n and not _conv_forward_into(g, x, w, bias, y, group, dt, relu) and relu is not None:
+        relu_forward(y, y, relu)
     return _deliver(y, final)
 
 
-def _conv_forward_into(g, x, w, bias, y, group, dt):
+def _conv_forward_into(g, x, w, bias, y, group, dt, relu=None):
+    """Whether the engine took the ReLU `relu` (a negative_slope) too."""
     o, cg = w.shape[:2]
     engine = _engine(g, cg, o // group, group, x.shape[0], dt)
     if engine == "direct":
-        direct.forward(g, x, w, bias, y, group, dt)
+        return direct.forward(g, x, w, bias, y, group, dt, relu)
     elif engine == "winograd":
         winograd.forward(x, w, bias, y, g.pad, group, dt)
     elif engine == "pointwise":
@@ -229,12 +232,14 @@ def _conv_forward_into(g, x, w, bias, y, group, dt):
 
 
 def conv_backward(dy, x, w, stride, pad, dilation, group,
-                  need_dx=True, need_dw=True, need_db=True, dx_out=None):
+                  need_dx=True, need_dw=True, need_db=True, dx_out=None, dx_relu=None):
     """Gradients of conv_forward: (dx or None, dw or None, db or None).
 
     ``x`` is only read for dw; when need_dw is False it may be any object
     with the input's ``shape``. dw/db are this call's gradient alone. With
-    ``dx_out`` (x's shape) dx is written there and returned.
+    ``dx_out`` (x's shape) dx is written there and returned. With ``dx_relu``,
+    (gate, negative_slope), the backward of a ReLU whose output gate (x's shape) is
+    follows on dx (inside the engine's passes where it can).
     """
     dy = np.asarray(dy)
     w = np.asarray(w)
@@ -242,13 +247,20 @@ def conv_backward(dy, x, w, stride, pad, dilation, group,
     if need_dw:
         x = np.asarray(x)
     dt = _dtype(dy, w, x if need_dw else None)
+    if dx_relu is not None and need_dx:
+        gate = np.ascontiguousarray(dx_relu[0], dt)
+        if gate.shape != x_shape:
+            raise ValueError(f"conv_backward: the ReLU's output has shape {gate.shape}, "
+                             f"expected {x_shape}")
+        dx_relu = (gate, float(dx_relu[1]))
     return _conv_backward(dy.astype(dt, copy=False), x if need_dw else None, x_shape,
                           w.astype(dt, copy=False), stride, pad, dilation, group,
-                          need_dx, need_dw, need_db, dt, dx_out)
+                          need_dx, need_dw, need_db, dt, dx_out,
+                          dx_relu if need_dx else None)
 
 
 def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
-                   need_dx, need_dw, need_db, dt, dx_out=None):
+                   need_dx, need_dw, need_db, dt, dx_out=None, dx_relu=None):
     if len(x_shape) < 3 or w.ndim != len(x_shape):
         raise ValueError(f"conv_backward: expected x (N, C, *S) and w with as many axes, "
                          f"got {x_shape} and {w.shape}")
@@ -273,8 +285,10 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
         dx, final = _target(dx_out, x_shape, dt, "conv_backward")
         if not (g.x_full or use_cols or whole):
             dx.fill(0)
+    relu_done = False
     if whole and engine == "direct":
-        dw, db = direct.backward(g, dy, x, w, dx, group, need_dw, dt, need_db)
+        dw, db, relu_done = direct.backward(g, dy, x, w, dx, group, need_dw, dt, need_db,
+                                            dx_relu)
         if need_db and db is None:
             db = bias_diff(dy, dt)
     elif whole:
@@ -291,6 +305,8 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
             dw = pointwise.backward(np.ascontiguousarray(dy), x, w, dx, group, need_dw)
         elif need_dx or need_dw:
             dw = grid.backward(g, dy, x, w, dx, group, need_dw, dt)
+    if dx_relu is not None and not relu_done:
+        relu_backward(dx_relu[0], dx, dx, dx_relu[1])
     return (None if dx is None else _deliver(dx, final)), dw, db
 
 

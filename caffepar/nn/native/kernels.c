@@ -58,6 +58,21 @@ typedef int64_t i64;
  * the compiler must keep). */
 #define BCAST(s) ((s) - (vec){})
 
+/* The images a pass's threads share out one at a time: each call of a kernel given a claim
+ * counter (zero before the pass) takes the next image no thread has taken yet, so the threads
+ * end within one image of each other whatever their speed, with one call per thread; without
+ * one, a call takes its images in turn. Images are independent, so who takes which does not
+ * change a bit of the result. */
+static inline i64 claim_first(i64 *claim)
+{
+    return claim ? __atomic_fetch_add(claim, 1, __ATOMIC_RELAXED) : 0;
+}
+
+static inline i64 claim_next(i64 *claim, i64 n)
+{
+    return claim ? __atomic_fetch_add(claim, 1, __ATOMIC_RELAXED) : n + 1;
+}
+
 /* What the library was built with, for the Python side's layouts and reports. */
 #ifndef ONLY_F64
 i64 native_bytes(void) { return NATIVE_BYTES; }
