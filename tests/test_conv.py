@@ -667,11 +667,14 @@ def test_direct_engine(cs, dtype, tol, by_images, kernel_path, monkeypatch):
     close(yd, ref_deconv(dy, w, None, *args), tol)
 
 
-@pytest.mark.parametrize("cs", DIRECT_CASES[-2:] + [case(4, 6, (6, 7), 5, 5, 1, 2)], ids=ids)
+@pytest.mark.parametrize("cs", DIRECT_CASES[-2:] + [case(4, 6, (6, 7), 5, 5, 1, 2),
+                                                    case(6, 3, (5, 32), 10, 5, 1, 2)], ids=ids)
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-4)])
 def test_direct_forward_run_of_images(cs, dtype, tol, kernel_path, monkeypatch):
     """A run of images through the forward kernel (and dx, the same kernel on dy), each image
-    after the first padded into the padding the first left, or read as it is."""
+    after the first padded into the padding the first left, or read as it is; and through the
+    weight gradient, whose rows kernels sum ROWS_DW_IMAGES images per tile (6: a tile of 4
+    and one of 2)."""
     monkeypatch.setattr(direct, "blas_threads", lambda: 1)
     monkeypatch.setattr(direct, "PARTS_PER_THREAD", 1)
     monkeypatch.setattr(direct, "_by_images", lambda n: True)
@@ -684,6 +687,8 @@ def test_direct_forward_run_of_images(cs, dtype, tol, kernel_path, monkeypatch):
     close(cm.conv_forward(xx, ww, bb, *args), ref_conv(x, w, b, *args), tol)
     dx, _, _ = cm.conv_backward(dd, xx, ww, *args, need_dw=False, need_db=False)
     close(dx, ref_conv_grads(dy, x, w, *args)[0], tol)
+    for got, want in zip(cm.conv_backward(dd, xx, ww, *args), ref_conv_grads(dy, x, w, *args)):
+        close(got, want, tol)
 
 
 def test_direct_parts_end_together(monkeypatch):

@@ -42,6 +42,10 @@ DW_PIXELS = 256
 #: (caffepar/nn/native/conv_rows.inc): pixels in the lanes, no transposes, which on such a
 #: layer cost a third as much as its multiply-adds.
 ROWS_MAX_CHANNELS = 4
+#: Images each tile of the rows kernels' weight gradient sums before adding to the run's
+#: sums: a tile's setup and its adds then weigh less against its multiply-adds (an image of
+#: cifar10_quick's conv1 gives a tile 60 vectors of pixels).
+ROWS_DW_IMAGES = 4
 
 
 def applicable(g, dtype):
@@ -220,7 +224,7 @@ class _Layout:
             self.image(x, i), native.ptr(xp), self.image(dy, i), native.ptr(out),
             None if db is None else native.ptr(db), m, c_in,
             ci0, channels, h, w, *g.pad, *g.kernel, *g.dilation, ho, wo, c_out, co0, och,
-            out.shape[-2])
+            out.shape[-2], len(xp))
 
     def rows_weights(self, w):
         """(O, C, KH, KW) -> (C, KH, KW, OP): the rows kernel's weights, each tap's output
@@ -336,7 +340,7 @@ def _rows_weight_gradient(lay, g, dy, x, w, group, need_db, dt):
             _zero(sums[r], None if bsums is None else bsums[r])
             lay.rows_weight_gradient(sums[r], None if bsums is None else bsums[r], x, dy, i, m,
                                      g, gi * cg, cg, gi * og, og,
-                                     scratch("direct_x", (1, cg, hp, wp), dt))
+                                     scratch("direct_x", (ROWS_DW_IMAGES, cg, hp, wp), dt))
 
         _run(run, runs)
         lay.from_runs(sums, dw[gi * og:(gi + 1) * og], vl)

@@ -81,7 +81,7 @@ SIGNATURES = {
     "conv_weights": "pp" + "i" * 10,
     "conv_block": "",
     "conv_rows_forward": "ppppp" + "i" * 18 + "pdi",
-    "conv_rows_dw": "ppppp" + "i" * 18,
+    "conv_rows_dw": "ppppp" + "i" * 19,
     "conv_rows_block": "",
 }
 
