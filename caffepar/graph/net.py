@@ -422,8 +422,7 @@ class Net:
         relu = self.relu_in_producer.get(i + 1) if start is not None and i < end else None
         for o in self.observers:
             o.layer_start("forward", i)
-        if relu is not None or layer.relu_top is not None:
-            layer.relu_top = relu
+        layer.relu_top = relu
         with np.errstate(all="ignore"):     # non-finite values are Caffe's to carry, ours
             layer.reshape(bottoms, tops)    # to report once (the solver's non-finite check)
             if not folded:
@@ -444,8 +443,7 @@ class Net:
             o.layer_start("backward", i)
         layer = self.layers[i]
         relu = self.relu_in_consumer.get(i - 1) if start is not None and i > end else None
-        if relu is not None or layer.relu_bottom is not None:
-            layer.relu_bottom = relu
+        layer.relu_bottom = relu
         if start is not None and i < start and i in self.relu_in_consumer:
             run = False
         if run:

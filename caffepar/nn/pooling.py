@@ -189,11 +189,12 @@ def _relu_on_planes(k, y3, slope):
                                          (p1 - p0) * size, slope)
 
 
-def _relu_diff_on_planes(k, gate3, dx3, slope):
+def _relu_diff_on_planes(k, g, gate, dx3, slope):
     """after(p0, p1) for run_native: a folded ReLU's backward on planes p0 .. p1 of dx3 in
-    place, gate3 holding the ReLU's output (None without a ReLU)."""
+    place, gate (the bottom's shape) holding the ReLU's output (None without a ReLU)."""
     if slope is None:
         return None
+    gate3 = g.planes(gate, g.h, g.w)
     if gate3.dtype != dx3.dtype or not gate3.flags.c_contiguous:
         gate3 = np.ascontiguousarray(gate3, dx3.dtype)
     gate, base = native.ptr(gate3), native.ptr(dx3)
@@ -275,8 +276,7 @@ def max_pool_backward(g, arg, dy, dx, relu=None, gate=None):
     dy3, dx3 = g.planes(dy, g.oh, g.ow), g.planes(dx, g.h, g.w)
     k = _kernels(dy, dx)
     if k is not None:
-        after = _relu_diff_on_planes(k, g.planes(gate, g.h, g.w), dx3, relu) \
-            if relu is not None else None
+        after = _relu_diff_on_planes(k, g, gate, dx3, relu)
         if g.run_native(k.max_pool_backward, (dy3, dx3, arg), len(dx3),
                         (g.rows, g.cols, arg.itemsize), after):
             _scatter_unassigned(g.compact(arg, dy.shape) < 0, dy, dx)
@@ -408,8 +408,7 @@ def ave_pool_backward(g, dy, dx, relu=None, gate=None):
     dy3, dx3 = g.planes(dy, g.oh, g.ow), g.planes(dx, g.h, g.w)
     k = _kernels(dy, dx)
     if k is not None:
-        after = _relu_diff_on_planes(k, g.planes(gate, g.h, g.w), dx3, relu) \
-            if relu is not None else None
+        after = _relu_diff_on_planes(k, g, gate, dx3, relu)
         g.run_native(k.ave_pool_backward, (dy3, dx3), len(dx3), (g.rows, g.cols), after)
         return
     divisor = g.ave_divisor(dx.dtype)
