@@ -228,6 +228,7 @@ class Net:
         self._share_params()
         self._index()
         self._fold_relus()
+        self._fold_steps()
 
     def _fold_relus(self):
         """Which in-place ReLUs run inside a neighbour's passes (Layer.folds_relu): in
@@ -251,6 +252,29 @@ class Net:
                     and self.layer_need_backward[c] and self.bottom_need_backward[c][0]
                     and self.layers[c].folds_relu(False, slope)):
                 self.relu_in_consumer[r] = slope
+
+    def _fold_steps(self):
+        """Which layers run as image steps inside the layer before them
+        (Layer.takes_image_steps, Layer.image_step): a layer whose only bottom is the only top
+        of the layer before, read by nothing else, with no loss on either. step_forward holds
+        the layers that do so in forward; step_backward those that do in backward too (both
+        layers run backward, the step's down to the blob between them)."""
+        self.step_forward, self.step_backward = set(), set()
+        readers = Counter(b for ids in self.bottom_ids for b in ids)
+        for p in range(1, len(self.layers)):
+            c = p - 1
+            if not (len(self.bottom_ids[p]) == 1 and self.top_ids[c] == self.bottom_ids[p]
+                    and readers[self.bottom_ids[p][0]] == 1 and len(self.top_ids[p]) == 1
+                    and self.top_ids[p] != self.bottom_ids[p]
+                    and not any(self.layers[c].loss_weights)
+                    and not any(self.layers[p].loss_weights)
+                    and self.layers[c].takes_image_steps()
+                    and self.layers[p].gives_image_steps()):
+                continue
+            self.step_forward.add(p)
+            if (self.layer_need_backward[p] and self.bottom_need_backward[p][0]
+                    and self.layer_need_backward[c]):
+                self.step_backward.add(p)
 
     def _decide_backward(self, param, blob_need_backward):
         """Caffe's rule: only layers on a path to a loss run backward; force_backward overrides."""
@@ -419,20 +443,37 @@ class Net:
         bottoms = self._blobs_of(self.bottom_ids[i])
         tops = self._blobs_of(self.top_ids[i])
         folded = start is not None and start < i and i in self.relu_in_producer
-        relu = self.relu_in_producer.get(i + 1) if start is not None and i < end else None
+        stepped = start is not None and start < i and i in self.step_forward
         for o in self.observers:
             o.layer_start("forward", i)
-        layer.relu_top = relu
+        layer.relu_top = self._relu_after(i, start, end)
         with np.errstate(all="ignore"):     # non-finite values are Caffe's to carry, ours
-            layer.reshape(bottoms, tops)    # to report once (the solver's non-finite check)
-            if not folded:
+            if not stepped:                 # to report once (the solver's non-finite check)
+                layer.reshape(bottoms, tops)
+            if start is not None and i < end and i + 1 in self.step_forward:
+                layer.step_top = self._forward_step(i + 1, end)
+            if not (folded or stepped):
                 layer.forward(bottoms, tops)
+            layer.step_top = None
         for j, top in enumerate(tops):
             if layer.loss_weights[j]:
                 loss += float(np.vdot(top.data, top.diff))
         for o in self.observers:
             o.layer_end("forward", i)
         return loss
+
+    def _relu_after(self, i, start, end):
+        """The negative_slope of the ReLU folded into layer i in a forward pass over
+        start .. end, or None."""
+        return self.relu_in_producer.get(i + 1) if start is not None and i < end else None
+
+    def _forward_step(self, p, end):
+        """Layer p reshaped and its forward as an image step for the layer before it."""
+        layer = self.layers[p]
+        bottoms, tops = self._blobs_of(self.bottom_ids[p]), self._blobs_of(self.top_ids[p])
+        layer.relu_top = self._relu_after(p, p, end)
+        layer.reshape(bottoms, tops)
+        return layer.image_step(bottoms, tops, True)
 
     def backward_layer(self, i, run=True, start=None, end=None):
         """Backward of layer i when `run`; observers hear of the layer either way, so one
@@ -446,10 +487,17 @@ class Net:
         layer.relu_bottom = relu
         if start is not None and i < start and i in self.relu_in_consumer:
             run = False
+        if start is not None and i > end and i in self.step_backward:
+            run = False
+        if run and start is not None and i < start and i + 1 in self.step_backward:
+            p = i + 1
+            layer.step_top_diff = self.layers[p].image_step(
+                self._blobs_of(self.bottom_ids[p]), self._blobs_of(self.top_ids[p]), False)
         if run:
             with np.errstate(all="ignore"):
                 layer.backward(self._blobs_of(self.top_ids[i]), self.bottom_need_backward[i],
                                self._blobs_of(self.bottom_ids[i]))
+        layer.step_top_diff = None
         for o in self.observers:
             o.layer_end("backward", i)
 

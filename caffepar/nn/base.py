@@ -112,6 +112,12 @@ class Layer:
     #: applies to bottom[0].diff as it is written (bottom[0].data holds the ReLU's output), or
     #: None.
     relu_bottom = None
+    #: A native.ImageStep the net has this call of forward run on the images of top[0] as
+    #: they are written (the next layer's forward, which then does not run itself), or None.
+    step_top = None
+    #: A native.ImageStep that makes top[0].diff, which this call of backward runs just before
+    #: reading it (the next layer's backward, which then does not run itself), or None.
+    step_top_diff = None
 
     def __init__(self, param, phase=1, dtype=np.float32, where=None):
         self.param = param
@@ -186,6 +192,22 @@ class Layer:
         part's share while it is in cache, with no pass over memory and no hand-out of its own
         (as oneDNN's post-ops run)."""
         return False
+
+    def takes_image_steps(self):
+        """Whether this layer runs the next layer's passes inside its own loops over images
+        (step_top, step_top_diff), where its engine can, and through the step's own pass
+        where it cannot."""
+        return False
+
+    def gives_image_steps(self):
+        """Whether image_step can hand this layer's passes to the layer before it."""
+        return False
+
+    def image_step(self, bottom, top, forward):
+        """This layer's forward (forward=True) or backward as a native.ImageStep on the images
+        of bottom[0], for the layer that makes bottom[0] to run; only where
+        gives_image_steps()."""
+        raise NotImplementedError
 
     # Helpers for subclasses.
     def add_param_blob(self, shape, filler=None):

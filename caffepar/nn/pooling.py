@@ -254,6 +254,41 @@ def max_pool_forward(g, x, out, relu=None):
     return args
 
 
+def _step_dims(g, arg):
+    return (g.h, g.w, g.oh, g.ow, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.rows, g.cols,
+            arg.itemsize)
+
+
+def max_pool_forward_step(g, x, out, relu, run):
+    """(step, winners): max_pool_forward as a native.ImageStep on runs of whole images of x
+    (N, C, H, W), whose `run` (the pass over the whole batch, where the kernels cannot take
+    the step) must fill the same winners; the winners as max_pool_forward returns them, each
+    image's filled as the step runs on it."""
+    n, c = x.shape[:2]
+    arg = np.empty((n * c, g.rows, g.cols), _index_dtype(g.kh * g.kw))
+    k = _kernels(x, out)
+    if k is None or x.ndim != 4:
+        return native.ImageStep(None, (), native.ptr(x), run), arg
+    slope = np.float64(0.0 if relu is None else relu).view(np.int64)
+    args = (native.ptr(x), native.ptr(out), native.ptr(arg), x.strides[0], out.strides[0],
+            c * arg.strides[0], c) + _step_dims(g, arg) + (int(relu is not None), slope)
+    return native.ImageStep(k.steps["max_pool_forward_images"], args, native.ptr(x), run), arg
+
+
+def max_pool_backward_step(g, arg, dy, dx, run):
+    """max_pool_backward (no ReLU folded) as a native.ImageStep on runs of whole images of dx
+    (N, C, H, W); `run` the pass over the whole batch, where the kernels cannot take it."""
+    k = _kernels(dy, dx)
+    if k is None or dx.ndim != 4:
+        return native.ImageStep(None, (), native.ptr(dx), run)
+    c = dx.shape[1]
+    args = (native.ptr(dy), native.ptr(dx), native.ptr(arg), dy.strides[0], dx.strides[0],
+            c * arg.strides[0], c) + _step_dims(g, arg)
+    return native.ImageStep(
+        k.steps["max_pool_backward_images"], args, native.ptr(dx), run,
+        lambda: _scatter_unassigned(g.compact(arg, dy.shape) < 0, dy, dx))
+
+
 def max_pool_mask(g, arg):
     """The flat index h * W + w of each winner inside its (unpadded) channel plane, -1 if none;
     `arg` in the (N, C, OH, OW) layout."""
@@ -536,6 +571,25 @@ class PoolingLayer(Layer):
         if self.method not in (PP.MAX, PP.AVE) or self.global_pooling:
             return False
         return top or self.method == PP.AVE or slope == 0
+
+    def gives_image_steps(self):
+        """MAX pooling with one top, not global: its passes run on the images of the layer
+        before it, as that layer writes them (forward) and just before it reads their diff
+        (backward), while they are in cache."""
+        return (self.method == PP.MAX and not self.global_pooling
+                and len(self.param.top) == 1)
+
+    def image_step(self, bottom, top, forward):
+        g = self.geom
+        if forward:
+            step, self.arg = max_pool_forward_step(g, bottom[0].data, top[0].data,
+                                                   self.relu_top,
+                                                   lambda: self.forward(bottom, top))
+            return step
+        run = lambda: self.backward(top, [True], bottom)     # noqa: E731
+        if self.relu_bottom is not None:
+            return native.ImageStep(None, (), native.ptr(bottom[0].diff), run)
+        return max_pool_backward_step(g, self.arg, top[0].diff, bottom[0].diff, run)
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:

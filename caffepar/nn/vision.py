@@ -157,6 +157,11 @@ class _ConvolutionBase(Layer):
         forward, or before it in backward (inside the direct engine's passes)."""
         return not self.transposed and len(self.param.bottom) == 1
 
+    def takes_image_steps(self):
+        """A convolution (not a deconvolution) with one bottom and top: the next layer's
+        passes on each image inside the direct engine's loops."""
+        return self.folds_relu(True, 0.0)
+
     def forward(self, bottom, top):
         w = self.blobs[0].data
         b = self.blobs[1].data if self.bias_term else None
@@ -166,23 +171,28 @@ class _ConvolutionBase(Layer):
                 y = conv.deconv_forward(self._as_nc(bt.data), w, b, *self._kernels(), out=out)
             else:
                 y = conv.conv_forward(self._as_nc(bt.data), w, b, *self._kernels(), out=out,
-                                      relu=self.relu_top)
+                                      relu=self.relu_top,
+                                      after=None if out is None else self.step_top)
             if out is None:
                 tp.data[...] = y.reshape(tp.shape)
+                if self.step_top is not None:
+                    self.step_top.run()
 
     def backward(self, top, propagate_down, bottom):
         run = conv.deconv_backward if self.transposed else conv.conv_backward
         need_w = self.param_propagate_down[0]
         need_b = self.bias_term and self.param_propagate_down[1]
         for i, (bt, tp) in enumerate(zip(bottom, top)):
-            if not (propagate_down[i] or need_w or need_b):
+            step = {} if self.step_top_diff is None else {"before": self.step_top_diff}
+            if not (propagate_down[i] or need_w or need_b or step):
                 continue
             dx_out = self._nc_view(bt.diff, tp.diff) if propagate_down[i] else None
             relu = {} if self.relu_bottom is None else {
                 "dx_relu": (self._as_nc(bt.data), self.relu_bottom)}
             dx, dw, db = run(self._as_nc(tp.diff), self._as_nc(bt.data), self.blobs[0].data,
                              *self._kernels(), need_dx=bool(propagate_down[i]),
-                             need_dw=bool(need_w), need_db=bool(need_b), dx_out=dx_out, **relu)
+                             need_dw=bool(need_w), need_db=bool(need_b), dx_out=dx_out, **relu,
+                             **step)
             if need_w:
                 self.blobs[0].diff += dw
             if need_b:

@@ -86,7 +86,9 @@ def _cut(n, items, most, want):
 
 
 def _run(fn, parts):
-    run_parts(lambda chunk: [fn(*p) for p in chunk], split_parts(parts))
+    """[fn(*part) for part in parts], run side by side."""
+    return [r for chunk in run_parts(lambda chunk: [fn(*p) for p in chunk], split_parts(parts))
+            for r in chunk]
 
 
 def _shared_out(fn, n, runs=(), run=None):
@@ -94,12 +96,13 @@ def _shared_out(fn, n, runs=(), run=None):
     through the counter claim (the kernels' claim_first): the threads end within an image of
     each other, where runs of images handed out whole left one thread idle for up to a run
     at the end. The runs of images `runs` ((first, count, ...) as _parts cuts them) are handed
-    out first, each to run(first, count): a thread done with them goes on to images."""
+    out first, each to run(first, count): a thread done with them goes on to images. Returns
+    the calls' results."""
     claim = np.zeros(1, np.int64)
     address = native.ptr(claim)
     threads = max(1, min(blas_threads(), n))
-    run_parts(lambda p: fn(address) if p is None else run(*p[:2]),
-              list(runs) + [None] * threads, threads)
+    return run_parts(lambda p: fn(address) if p is None else run(*p[:2]),
+                     list(runs) + [None] * threads, threads)
 
 
 def _by_images(n):
@@ -203,28 +206,33 @@ class _Layout:
         return g.stride == (1, 1) and cg <= ROWS_MAX_CHANNELS and g.out[1] % vl == 0
 
     def rows_forward(self, x, wt, y, bias, i, m, g, ci0, channels, co0, och, xp, claim=None,
-                     relu=None):
+                     relu=None, after=None):
         """y[i:i + m] channels co0 .. co0 + och (+ bias) = the rows kernel over channels
         ci0 .. of x[i:i + m], each image padded into xp (with claim and relu: as
-        forward_nchw)."""
+        forward_nchw); with after (a native.ImageStep on y's images) that step on each
+        image. Returns the kernel's result (negative: the step failed)."""
         _, c_in, h, w = x.shape
         _, c_out, ho, wo = y.shape
-        self.k.conv_rows_forward(
+        return self.k.conv_rows_forward(
             self.image(x, i), native.ptr(xp), native.ptr(wt),
             None if bias is None else native.ptr(bias), self.image(y, i), m, c_in, ci0,
             channels, h, w, *g.pad, *g.kernel, *g.dilation, ho, wo, c_out, co0, och,
-            wt.shape[-1], claim, 0.0 if relu is None else relu, int(relu is not None))
+            wt.shape[-1], claim, 0.0 if relu is None else relu, int(relu is not None),
+            *_step(after))
 
-    def rows_weight_gradient(self, out, db, x, dy, i, m, g, ci0, channels, co0, och, xp):
+    def rows_weight_gradient(self, out, db, x, dy, i, m, g, ci0, channels, co0, och, xp,
+                             before=None):
         """out (C, KH, KW, OP, VL) += the rows kernel's weight gradient of images i .. i + m,
-        lane by lane; db (och) += their bias gradient unless db is None."""
+        lane by lane; db (och) += their bias gradient unless db is None. With before (a
+        native.ImageStep on dy's images), that step first makes each tile's dy. Returns the
+        kernel's result: the step's, summed (negative: it failed)."""
         _, c_in, h, w = x.shape
         _, c_out, ho, wo = dy.shape
-        self.k.conv_rows_dw(
+        return self.k.conv_rows_dw(
             self.image(x, i), native.ptr(xp), self.image(dy, i), native.ptr(out),
             None if db is None else native.ptr(db), m, c_in,
             ci0, channels, h, w, *g.pad, *g.kernel, *g.dilation, ho, wo, c_out, co0, och,
-            out.shape[-2], len(xp))
+            out.shape[-2], len(xp), *_step(before), i)
 
     def rows_weights(self, w):
         """(O, C, KH, KW) -> (C, KH, KW, OP): the rows kernel's weights, each tap's output
@@ -248,6 +256,25 @@ class _Layout:
         return wt
 
 
+def _step(step):
+    """A kernel's (address, arguments) of a native.ImageStep, or of none."""
+    return (None, None) if step is None else (step.address, step.args_address)
+
+
+def _takes_step(lay, g, cg, group, step, images):
+    """Whether the rows kernels run `step` (a native.ImageStep, or None) in their loop over
+    the array `images`."""
+    return (step is not None and step.address is not None and group == 1
+            and lay.rows(g, cg) and step.images == native.ptr(images))
+
+
+def _ran(step, results):
+    """Record that the kernels ran `step`, with their results."""
+    if min(results) < 0:
+        raise MemoryError("convolution: no memory for a work buffer of the folded step")
+    step.counted, step.ran = sum(results), True
+
+
 def _inside(pad, extent, step):
     """(first row, end row, first column, end column) of a padded array holding `extent`
     values `step` apart after `pad` zeros: where it is not zero padding."""
@@ -266,9 +293,11 @@ def _buffers(shapes, dt, n=None):
             for key, shape in shapes.items()}
 
 
-def forward(g, x, w, bias, y, group, dt, relu=None):
+def forward(g, x, w, bias, y, group, dt, relu=None, after=None):
     """y = the convolution of x; with relu (a negative_slope) a folded ReLU on y too, where
-    the kernels take it (returns whether they did)."""
+    the kernels take it (returns whether they did); with after (a native.ImageStep on y's
+    images), that step on each image as it is written, where the kernels take it (after.ran
+    says whether they did)."""
     lay = _Layout(dt)
     n = x.shape[0]
     o, cg = w.shape[:2]
@@ -276,12 +305,15 @@ def forward(g, x, w, bias, y, group, dt, relu=None):
     hp, wp = (i + 2 * p for i, p in zip(g.in_sp, g.pad))
     shapes = {"x": (n, cg, hp, wp), "y": (n,) + g.out + (_lanes(og, dt),)}
     if lay.rows(g, cg):
+        step = after if _takes_step(lay, g, cg, group, after, y) else None
         for gi in range(group):
             wt = lay.rows_weights(w[gi * og:(gi + 1) * og])
             b = None if bias is None else np.ascontiguousarray(bias[gi * og:(gi + 1) * og])
-            _shared_out(lambda claim: lay.rows_forward(
+            results = _shared_out(lambda claim: lay.rows_forward(
                 x, wt, y, b, 0, n, g, gi * cg, cg, gi * og, og,
-                scratch("direct_x", (1, cg, hp, wp), dt), claim, relu), n)
+                scratch("direct_x", (1, cg, hp, wp), dt), claim, relu, step), n)
+        if step is not None:
+            _ran(step, results)
         return True
     for gi in range(group):
         wt = lay.weights(w[gi * og:(gi + 1) * og])
@@ -301,16 +333,25 @@ def forward(g, x, w, bias, y, group, dt, relu=None):
     return _by_images(n)
 
 
-def backward(g, dy, x, w, dx, group, need_dw, dt, need_db=False, dx_relu=None):
+def backward(g, dy, x, w, dx, group, need_dw, dt, need_db=False, dx_relu=None, before=None):
     """(dw or None, db or None, whether dx_relu was applied), and dx written in full when dx
     is given. With need_dw and need_db, the runs of images that sum dw sum db too, while their
     dy is in cache (a pass of its own over dy took 0.9 ms of cifar10_quick's step on one
     thread); db is None where the caller must take it itself (dw not needed, or a batch too
     small for runs of images). dx_relu, (gate, negative_slope): a folded ReLU's backward on
-    dx, gate its output (x's shape), where the kernels take it."""
+    dx, gate its output (x's shape), where the kernels take it. before, a native.ImageStep
+    that makes dy: run on each run of images just before the weight gradient reads them
+    where the kernels take it, else first over the whole batch."""
     lay = _Layout(dt)
+    if before is not None and not (need_dw
+                                   and _takes_step(lay, g, w.shape[1], group, before, dy)):
+        before.run()
+        before = None
     if need_dw and lay.rows(g, w.shape[1]):
-        dw, db = _rows_weight_gradient(lay, g, dy, x, w, group, need_db, dt)
+        dw, db = _rows_weight_gradient(lay, g, dy, x, w, group, need_db, dt, before)
+        if before is not None and before.counted:
+            before.finish()     # dy's last values came after the weight gradient read it
+            dw, db = _rows_weight_gradient(lay, g, dy, x, w, group, need_db, dt)
         done = False
         if dx is not None:
             done = _lanes_backward(lay, g, dy, x, w, dx, group, False, False, dt, dx_relu)[2]
@@ -318,9 +359,10 @@ def backward(g, dy, x, w, dx, group, need_dw, dt, need_db=False, dx_relu=None):
     return _lanes_backward(lay, g, dy, x, w, dx, group, need_dw, need_db, dt, dx_relu)
 
 
-def _rows_weight_gradient(lay, g, dy, x, w, group, need_db, dt):
+def _rows_weight_gradient(lay, g, dy, x, w, group, need_db, dt, before=None):
     """(dw, db or None) on the rows kernels: each run of images sums its own lanes (and
-    bias), the runs' sums added in order, then the lanes."""
+    bias), the runs' sums added in order, then the lanes. With before (a native.ImageStep,
+    group 1 alone), each tile's dy is made by that step first."""
     n = dy.shape[0]
     o, cg = w.shape[:2]
     og = o // group
@@ -338,11 +380,13 @@ def _rows_weight_gradient(lay, g, dy, x, w, group, need_db, dt):
         def run(i, m, _a, _b):
             r = starts.index(i)
             _zero(sums[r], None if bsums is None else bsums[r])
-            lay.rows_weight_gradient(sums[r], None if bsums is None else bsums[r], x, dy, i, m,
-                                     g, gi * cg, cg, gi * og, og,
-                                     scratch("direct_x", (ROWS_DW_IMAGES, cg, hp, wp), dt))
+            return lay.rows_weight_gradient(
+                sums[r], None if bsums is None else bsums[r], x, dy, i, m, g, gi * cg, cg,
+                gi * og, og, scratch("direct_x", (ROWS_DW_IMAGES, cg, hp, wp), dt), before)
 
-        _run(run, runs)
+        results = _run(run, runs)
+        if before is not None:
+            _ran(before, results)
         lay.from_runs(sums, dw[gi * og:(gi + 1) * og], vl)
         if need_db:
             lay.from_runs(bsums, db[gi * og:(gi + 1) * og])

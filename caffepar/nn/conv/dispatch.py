@@ -186,12 +186,14 @@ def _deliver(result, final):
     return final
 
 
-def conv_forward(x, w, b, stride, pad, dilation, group, out=None, relu=None):
+def conv_forward(x, w, b, stride, pad, dilation, group, out=None, relu=None, after=None):
     """x (N, C, *S), w (O, C//group, *K), b (O,) or None -> y (N, O, *S_out), C-contiguous.
 
     With ``out`` (shape (N, O, *S_out)) the result is written there and
     returned, saving the caller a copy. With ``relu`` (a negative_slope) a ReLU follows
-    (inside the engine's passes where it can).
+    (inside the engine's passes where it can). With ``after`` (a native.ImageStep on out's
+    images) that step follows: on each image as it is written where the engine can take it,
+    else over the whole batch.
     """
     x = np.asarray(x)
     w = np.asarray(w)
@@ -206,17 +208,22 @@ def conv_forward(x, w, b, stride, pad, dilation, group, out=None, relu=None):
     w = w.astype(dt, copy=False)
     y, final = _target(out, (n, o) + g.out, dt, "conv_forward")
     bias = None if b is None else np.asarray(b, dt).reshape(o)
-    if n and not _conv_forward_into(g, x, w, bias, y, group, dt, relu) and relu is not None:
+    if n and not _conv_forward_into(g, x, w, bias, y, group, dt, relu, after) \
+            and relu is not None:
         relu_forward(y, y, relu)
-    return _deliver(y, final)
+    y = _deliver(y, final)
+    if after is not None and not after.ran:
+        after.run()
+    return y
 
 
-def _conv_forward_into(g, x, w, bias, y, group, dt, relu=None):
-    """Whether the engine took the ReLU `relu` (a negative_slope) too."""
+def _conv_forward_into(g, x, w, bias, y, group, dt, relu=None, after=None):
+    """Whether the engine took the ReLU `relu` (a negative_slope) too (and the step `after`:
+    after.ran)."""
     o, cg = w.shape[:2]
     engine = _engine(g, cg, o // group, group, x.shape[0], dt)
     if engine == "direct":
-        return direct.forward(g, x, w, bias, y, group, dt, relu)
+        return direct.forward(g, x, w, bias, y, group, dt, relu, after)
     elif engine == "winograd":
         winograd.forward(x, w, bias, y, g.pad, group, dt)
     elif engine == "pointwise":
@@ -232,14 +239,17 @@ def _conv_forward_into(g, x, w, bias, y, group, dt, relu=None):
 
 
 def conv_backward(dy, x, w, stride, pad, dilation, group,
-                  need_dx=True, need_dw=True, need_db=True, dx_out=None, dx_relu=None):
+                  need_dx=True, need_dw=True, need_db=True, dx_out=None, dx_relu=None,
+                  before=None):
     """Gradients of conv_forward: (dx or None, dw or None, db or None).
 
     ``x`` is only read for dw; when need_dw is False it may be any object
     with the input's ``shape``. dw/db are this call's gradient alone. With
     ``dx_out`` (x's shape) dx is written there and returned. With ``dx_relu``,
     (gate, negative_slope), the backward of a ReLU whose output gate (x's shape) is
-    follows on dx (inside the engine's passes where it can).
+    follows on dx (inside the engine's passes where it can). With ``before`` (a
+    native.ImageStep that makes dy), that step first: on each run of images just before the
+    engine reads them where it can take it, else over the whole batch.
     """
     dy = np.asarray(dy)
     w = np.asarray(w)
@@ -253,14 +263,17 @@ def conv_backward(dy, x, w, stride, pad, dilation, group,
             raise ValueError(f"conv_backward: the ReLU's output has shape {gate.shape}, "
                              f"expected {x_shape}")
         dx_relu = (gate, float(dx_relu[1]))
+    if before is not None and dy.dtype != dt:
+        before.run()
+        before = None
     return _conv_backward(dy.astype(dt, copy=False), x if need_dw else None, x_shape,
                           w.astype(dt, copy=False), stride, pad, dilation, group,
                           need_dx, need_dw, need_db, dt, dx_out,
-                          dx_relu if need_dx else None)
+                          dx_relu if need_dx else None, before)
 
 
 def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
-                   need_dx, need_dw, need_db, dt, dx_out=None, dx_relu=None):
+                   need_dx, need_dw, need_db, dt, dx_out=None, dx_relu=None, before=None):
     if len(x_shape) < 3 or w.ndim != len(x_shape):
         raise ValueError(f"conv_backward: expected x (N, C, *S) and w with as many axes, "
                          f"got {x_shape} and {w.shape}")
@@ -276,9 +289,14 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
     if dy.shape != (n, o) + g.out:
         raise ValueError(f"conv_backward: dy has shape {dy.shape}, expected {(n, o) + g.out}")
     if not (need_dx or need_dw or need_db):
+        if before is not None:
+            before.run()
         return None, None, None
     engine = _engine(g, cg, og, group, n, dt, calibrate.backward_pass(need_dx, need_dw))
     whole = engine in ("winograd", "direct") and n > 0       # dx written in full
+    if before is not None and not (whole and engine == "direct"):
+        before.run()
+        before = None
     use_cols = engine in ("band", "im2col") and n > 0 and (need_dx or need_dw)
     dx = final = None
     if need_dx:
@@ -288,7 +306,7 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
     relu_done = False
     if whole and engine == "direct":
         dw, db, relu_done = direct.backward(g, dy, x, w, dx, group, need_dw, dt, need_db,
-                                            dx_relu)
+                                            dx_relu, before)
         if need_db and db is None:
             db = bias_diff(dy, dt)
     elif whole:

@@ -80,10 +80,14 @@ SIGNATURES = {
     "conv_dw_from_runs": "pp" + "i" * 5,
     "conv_weights": "pp" + "i" * 10,
     "conv_block": "",
-    "conv_rows_forward": "ppppp" + "i" * 18 + "pdi",
-    "conv_rows_dw": "ppppp" + "i" * 19,
+    "conv_rows_forward": "ppppp" + "i" * 18 + "pdi" + "pp",
+    "conv_rows_dw": "ppppp" + "i" * 19 + "ppi",
     "conv_rows_block": "",
 }
+
+#: Kernels another kernel runs on the images of its own loop (kernels.c's image_step): their
+#: addresses, passed to it with an int64 array of their arguments.
+IMAGE_STEPS = ("max_pool_forward_images", "max_pool_backward_images")
 
 
 class KernelBuildError(CaffeparError):
@@ -232,6 +236,9 @@ def _bind(lib):
             fn.restype = ctypes.c_int64
             fn.argtypes = [kinds[k] for k in sig]
             funcs[(name, suffix)] = fn
+    funcs["steps"] = {(name, suffix): ctypes.cast(getattr(lib, f"{name}_{suffix}"),
+                                                  ctypes.c_void_p).value
+                      for name in IMAGE_STEPS for suffix in SUFFIX.values()}
     return funcs
 
 
@@ -239,9 +246,12 @@ class Kernels:
     """The kernels of one dtype: ``k.max_pool_forward(...)`` calls ``max_pool_forward_f32``."""
 
     def __init__(self, funcs, suffix):
-        for (name, s), fn in ((k, f) for k, f in funcs.items() if k not in ("build", "sync")):
+        for (name, s), fn in ((k, f) for k, f in funcs.items()
+                              if k not in ("build", "sync", "steps")):
             if s == suffix:
                 setattr(self, name, fn)
+        #: {name: address} of the IMAGE_STEPS of this dtype.
+        self.steps = {name: a for (name, s), a in funcs["steps"].items() if s == suffix}
         #: The vector width (bytes) and register count the library was built for.
         self.vector_bytes = funcs["build"]["native_bytes"]
         self.registers = funcs["build"]["native_regs"]
@@ -310,3 +320,35 @@ def use(path):
 def ptr(a):
     """An array's data address for a kernel argument."""
     return a.ctypes.data
+
+
+class ImageStep:
+    """One layer's pass handed to the layer before it, to run image by image inside that
+    layer's own loop over the batch while the images are in cache (kernels.c's image_step): a
+    MAX pooling's forward on each image a convolution has just written, its backward on each
+    run of images just before the convolution's weight gradient reads them.
+
+    ``address`` (None: no compiled step) and ``args`` are what a kernel takes, ``images`` the
+    address of the array whose images it works on (a kernel takes the step only when that is
+    the array it loops over); a pass that runs
+    the step records what it returned, summed, in ``counted``, and sets ``ran``. Whoever is
+    given a step must see it done: in its kernels, or through ``run()`` (the layer's own pass
+    over the whole batch) where they cannot take it. A backward step that counts something has
+    left work to ``finish()`` (a MAX pooling's windows without a winner), after which whatever
+    read its images must read them again."""
+
+    def __init__(self, address, args, images, run, finish=None):
+        self.address, self.images = address, images
+        self.args = np.ascontiguousarray(args, np.int64)
+        self.args_address = ptr(self.args)
+        self._run, self._finish = run, finish
+        self.ran = False
+        self.counted = 0
+
+    def run(self):
+        self._run()
+        self.ran = True
+
+    def finish(self):
+        if self._finish is not None:
+            self._finish()

@@ -73,6 +73,13 @@ static inline i64 claim_next(i64 *claim, i64 n)
     return claim ? __atomic_fetch_add(claim, 1, __ATOMIC_RELAXED) : n + 1;
 }
 
+/* Another layer's work on images first .. first + count of the batch, which a kernel looping
+ * over images runs inside its loop, while those images are in cache: a MAX pooling's forward
+ * right after a convolution wrote them, its backward right before the convolution's weight
+ * gradient reads them (pool.inc's *_images). args holds the step's own arguments. Returns
+ * >= 0 (what the step counts), or -1: no memory. */
+typedef i64 (*image_step)(const i64 *args, i64 first, i64 count);
+
 /* What the library was built with, for the Python side's layouts and reports. */
 #ifndef ONLY_F64
 i64 native_bytes(void) { return NATIVE_BYTES; }
