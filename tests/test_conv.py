@@ -691,6 +691,42 @@ def test_direct_forward_run_of_images(cs, dtype, tol, kernel_path, monkeypatch):
         close(got, want, tol)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_direct_weight_gradient_of_a_pooling_step_with_windows_without_winner(threads,
+                                                                               monkeypatch):
+    """A MAX pooling's backward run as a step inside the rows kernels' weight gradient (each
+    tile's images just before it reads them) gives the gradients of the pooling run first. A
+    window without a winner (a plane of NaN) adds its dy to a cell after the step (Caffe's
+    index -1: the previous plane's last cell), so the gradients are taken again after it."""
+    from caffepar.nn import native, pooling
+    monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "direct")
+    monkeypatch.setattr(direct, "blas_threads", lambda: threads)
+    x, w, b, _ = make(case(6, 3, (16, 16), 10, 5, 1, 2), dtype=np.float32)
+    args = ((1, 1), (2, 2), (1, 1), 1)
+    if not direct.applicable(geometry.Geom(x.shape[2:], w.shape[2:], *args[:3]),
+                             np.dtype(np.float32)) or native.kernels(np.float32) is None:
+        pytest.skip("not a kernel path the direct engine takes")
+    y = cm.conv_forward(x, w, b, *args)
+    y[:, 3] = np.nan
+    g = pooling.PoolGeometry(3, 3, 0, 0, 2, 2)
+    g.reshape(16, 16)
+    out = np.empty(y.shape[:2] + (g.oh, g.ow), np.float32)
+    arg = pooling.max_pool_forward(g, y, out)
+    assert (g.compact(arg, out.shape)[:, 3] < 0).all()
+    dout = np.random.default_rng(2).standard_normal(out.shape).astype(np.float32)
+    dy = np.zeros_like(y)
+    pooling.max_pool_backward(g, arg, dout, dy)
+    want = cm.conv_backward(dy, x, w, *args)
+    made = np.full_like(y, 7)
+    ran = []
+    step = pooling.max_pool_backward_step(g, arg, dout, made, lambda: ran.append(True))
+    got = cm.conv_backward(made, x, w, *args, before=step)
+    assert step.ran and step.counted > 0 and not ran
+    np.testing.assert_array_equal(made, dy)
+    for a, e in zip(got, want):
+        np.testing.assert_array_equal(a, e)
+
+
 def test_direct_parts_end_together(monkeypatch):
     """The direct engine's runs of images cover the batch once, in order, the longer runs
     first: two threads taking 100 images' 8 runs in turn get 50 each."""

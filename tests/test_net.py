@@ -360,3 +360,80 @@ def test_folded_relus_give_the_bits_of_relu_layers_run_alone(pool, slope, kernel
     assert (net.blobs["conv1"].data < 0).any()      # relu1 not in the span: not applied
     net.forward(start="relu1", end="relu1")
     np.testing.assert_array_equal(net.blobs["conv1"].data, alone[0]["conv1"][0])
+
+
+STEP_NET = """
+  layer { name: "in" type: "Input" top: "x" top: "t"
+          input_param { shape { dim: 6 dim: 3 dim: 16 dim: 16 } shape { dim: 6 dim: 4 dim: 8 dim: 8 } } }
+  layer { name: "conv1" type: "Convolution" bottom: "x" top: "conv1"
+          convolution_param { num_output: 10 kernel_size: 5 pad: 2
+                              weight_filler { type: "gaussian" std: 0.3 }
+                              bias_filler { type: "gaussian" std: 0.3 } } }
+  layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+          pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+  layer { name: "relu1" type: "ReLU" bottom: "pool1" top: "pool1" }
+  layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+          convolution_param { num_output: 4 kernel_size: 3 pad: 1
+                              weight_filler { type: "gaussian" std: 0.3 } } }
+  layer { name: "loss" type: "EuclideanLoss" bottom: "conv2" bottom: "t" top: "loss" }
+  force_backward: true
+"""
+
+
+@pytest.mark.parametrize("kernels,engine,threads", [("native", "direct", 2),
+                                                    ("native", "direct", 1),
+                                                    ("native", "im2col", 2),
+                                                    ("numpy", "", 1)])
+def test_pooling_run_inside_the_convolution_gives_the_bits_of_layers_run_alone(
+        kernels, engine, threads, monkeypatch):
+    """A MAX Pooling right after a Convolution runs inside it when the net runs both: forward
+    on each image as the convolution writes it, backward on each run of images just before the
+    weight gradient reads their diff (on the direct engine's rows kernels, 6 images in runs
+    and tiles; on other engines as a pass of its own). Every blob's data and diff and every
+    parameter diff come out bit for bit as when each layer runs alone."""
+    from caffepar.nn import native
+    from caffepar.nn.conv import direct
+    if kernels == "native":
+        try:
+            with native.use("native"):
+                native.kernels("float32")
+        except native.KernelBuildError as e:
+            pytest.skip(f"compiled kernels unavailable: {e}")
+    monkeypatch.setenv("CAFFEPAR_KERNELS", kernels)
+    if engine:
+        monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", engine)
+    monkeypatch.setattr(direct, "blas_threads", lambda: threads)
+    taken = []
+    ran = direct._ran
+    monkeypatch.setattr(direct, "_ran", lambda step, results: (taken.append(sum(results)),
+                                                               ran(step, results)))
+    net = Net(P(STEP_NET), TRAIN)
+    assert net.step_forward == net.step_backward == {2}
+    assert net.relu_in_producer == {3: 0.0}
+    rng = np.random.default_rng(5)
+    for name in ("x", "t"):
+        net.blobs[name].data[...] = rng.standard_normal(net.blobs[name].shape)
+
+    def state():
+        return ({n: (b.data.copy(), b.diff.copy()) for n, b in net.blobs.items()},
+                net.param_diff.copy())
+
+    net.clear_param_diffs()
+    for i in range(len(net.layers)):
+        net.forward_layer(i)
+    for i in reversed(range(len(net.layers))):
+        net.backward_layer(i, net.layer_need_backward[i])
+    alone = state()
+    assert not taken
+    for name, blob in net.blobs.items():      # stale values wherever a pass fails to write
+        if name not in ("x", "t", "loss"):
+            blob.data[...] = blob.diff[...] = 7
+    net.clear_param_diffs()
+    net.forward_from_to()
+    net.backward_from_to()
+    stepped = state()
+    for name, (data, diff) in alone[0].items():
+        np.testing.assert_array_equal(stepped[0][name][0], data, err_msg=f"{name} data")
+        np.testing.assert_array_equal(stepped[0][name][1], diff, err_msg=f"{name} diff")
+    np.testing.assert_array_equal(stepped[1], alone[1])
+    assert taken == ([0, 0] if engine == "direct" else [])     # forward, backward
