@@ -437,3 +437,9 @@ def test_pooling_run_inside_the_convolution_gives_the_bits_of_layers_run_alone(
         np.testing.assert_array_equal(stepped[0][name][1], diff, err_msg=f"{name} diff")
     np.testing.assert_array_equal(stepped[1], alone[1])
     assert taken == ([0, 0] if engine == "direct" else [])     # forward, backward
+
+    net.blobs["pool1"].data[...] = 7
+    net.forward(end="conv1")
+    assert (net.blobs["pool1"].data == 7).all()     # pool1 not in the span: not run
+    net.forward(start="pool1", end="relu1")
+    np.testing.assert_array_equal(net.blobs["pool1"].data, alone[0]["pool1"][0])
