@@ -301,18 +301,9 @@ FOLD_NET = """
 """
 
 
-@pytest.mark.parametrize("pool", ["MAX", "AVE"])
-@pytest.mark.parametrize("slope", [0.0, 0.25])
-@pytest.mark.parametrize("kernels,engine,threads", [("native", "direct", 2),
-                                                    ("native", "direct", 1),
-                                                    ("native", "im2col", 2),
-                                                    ("numpy", "", 1)])
-def test_folded_relus_give_the_bits_of_relu_layers_run_alone(pool, slope, kernels, engine,
-                                                             threads, monkeypatch):
-    """In-place ReLUs run inside the Convolution or Pooling beside them when the net runs a
-    span of layers (forward into the layer before, backward into the layer after), and every
-    blob's data and diff and every parameter diff come out bit for bit as when each layer runs
-    alone; a span ending at the layer before a ReLU leaves its top as that layer made it."""
+def _use_kernels(kernels, engine, threads, monkeypatch):
+    """Run on `kernels` ("native": skip where they cannot be built), the convolution engine
+    `engine` (empty: the measured choice) and `threads` direct-engine threads."""
     from caffepar.nn import native
     from caffepar.nn.conv import direct
     if kernels == "native":
@@ -325,12 +316,14 @@ def test_folded_relus_give_the_bits_of_relu_layers_run_alone(pool, slope, kernel
     if engine:
         monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", engine)
     monkeypatch.setattr(direct, "blas_threads", lambda: threads)
-    relu = f"relu_param {{ negative_slope: {slope} }}" if slope else ""
-    net = Net(P(FOLD_NET % {"relu": relu, "pool": pool}), TRAIN)
-    folds_back = pool == "AVE" or slope == 0       # a MAX backward folds slope 0 alone
-    assert net.relu_in_producer == {2: slope, 4: slope, 6: slope}
-    assert net.relu_in_consumer == ({2: slope, 4: slope} if folds_back else {4: slope})
-    rng = np.random.default_rng(3)
+
+
+def _alone_then_spanned(net, seed, check_alone=lambda: True):
+    """Random inputs x and t; each layer's forward and backward run alone, then the net's
+    passes over every layer (stale values in every other blob first): every blob's data and
+    diff and every parameter diff must be the same bits. check_alone() is asserted between
+    the two. Returns the blobs' (data, diff) as the layers alone left them."""
+    rng = np.random.default_rng(seed)
     for name in ("x", "t"):
         net.blobs[name].data[...] = rng.standard_normal(net.blobs[name].shape)
 
@@ -344,22 +337,45 @@ def test_folded_relus_give_the_bits_of_relu_layers_run_alone(pool, slope, kernel
     for i in reversed(range(len(net.layers))):
         net.backward_layer(i, net.layer_need_backward[i])
     alone = state()
+    assert check_alone()
     for name, blob in net.blobs.items():      # stale values wherever a pass fails to write
         if name not in ("x", "t", "loss"):
             blob.data[...] = blob.diff[...] = 7
     net.clear_param_diffs()
     net.forward_from_to()
     net.backward_from_to()
-    folded = state()
+    spanned = state()
     for name, (data, diff) in alone[0].items():
-        np.testing.assert_array_equal(folded[0][name][0], data, err_msg=f"{name} data")
-        np.testing.assert_array_equal(folded[0][name][1], diff, err_msg=f"{name} diff")
-    np.testing.assert_array_equal(folded[1], alone[1])
+        np.testing.assert_array_equal(spanned[0][name][0], data, err_msg=f"{name} data")
+        np.testing.assert_array_equal(spanned[0][name][1], diff, err_msg=f"{name} diff")
+    np.testing.assert_array_equal(spanned[1], alone[1])
+    return alone[0]
+
+
+@pytest.mark.parametrize("pool", ["MAX", "AVE"])
+@pytest.mark.parametrize("slope", [0.0, 0.25])
+@pytest.mark.parametrize("kernels,engine,threads", [("native", "direct", 2),
+                                                    ("native", "direct", 1),
+                                                    ("native", "im2col", 2),
+                                                    ("numpy", "", 1)])
+def test_folded_relus_give_the_bits_of_relu_layers_run_alone(pool, slope, kernels, engine,
+                                                             threads, monkeypatch):
+    """In-place ReLUs run inside the Convolution or Pooling beside them when the net runs a
+    span of layers (forward into the layer before, backward into the layer after), and every
+    blob's data and diff and every parameter diff come out bit for bit as when each layer runs
+    alone; a span ending at the layer before a ReLU leaves its top as that layer made it."""
+    _use_kernels(kernels, engine, threads, monkeypatch)
+    relu = f"relu_param {{ negative_slope: {slope} }}" if slope else ""
+    net = Net(P(FOLD_NET % {"relu": relu, "pool": pool}), TRAIN)
+    folds_back = pool == "AVE" or slope == 0       # a MAX backward folds slope 0 alone
+    assert net.relu_in_producer == {2: slope, 4: slope, 6: slope}
+    assert net.relu_in_consumer == ({2: slope, 4: slope} if folds_back else {4: slope})
+    alone = _alone_then_spanned(net, 3)
 
     net.forward(end="conv1")
     assert (net.blobs["conv1"].data < 0).any()      # relu1 not in the span: not applied
     net.forward(start="relu1", end="relu1")
-    np.testing.assert_array_equal(net.blobs["conv1"].data, alone[0]["conv1"][0])
+    np.testing.assert_array_equal(net.blobs["conv1"].data, alone["conv1"][0])
 
 
 STEP_NET = """
@@ -391,18 +407,8 @@ def test_pooling_run_inside_the_convolution_gives_the_bits_of_layers_run_alone(
     weight gradient reads their diff (on the direct engine's rows kernels, 6 images in runs
     and tiles; on other engines as a pass of its own). Every blob's data and diff and every
     parameter diff come out bit for bit as when each layer runs alone."""
-    from caffepar.nn import native
     from caffepar.nn.conv import direct
-    if kernels == "native":
-        try:
-            with native.use("native"):
-                native.kernels("float32")
-        except native.KernelBuildError as e:
-            pytest.skip(f"compiled kernels unavailable: {e}")
-    monkeypatch.setenv("CAFFEPAR_KERNELS", kernels)
-    if engine:
-        monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", engine)
-    monkeypatch.setattr(direct, "blas_threads", lambda: threads)
+    _use_kernels(kernels, engine, threads, monkeypatch)
     taken = []
     ran = direct._ran
     monkeypatch.setattr(direct, "_ran", lambda step, results: (taken.append(sum(results)),
@@ -410,36 +416,11 @@ def test_pooling_run_inside_the_convolution_gives_the_bits_of_layers_run_alone(
     net = Net(P(STEP_NET), TRAIN)
     assert net.step_forward == net.step_backward == {2}
     assert net.relu_in_producer == {3: 0.0}
-    rng = np.random.default_rng(5)
-    for name in ("x", "t"):
-        net.blobs[name].data[...] = rng.standard_normal(net.blobs[name].shape)
-
-    def state():
-        return ({n: (b.data.copy(), b.diff.copy()) for n, b in net.blobs.items()},
-                net.param_diff.copy())
-
-    net.clear_param_diffs()
-    for i in range(len(net.layers)):
-        net.forward_layer(i)
-    for i in reversed(range(len(net.layers))):
-        net.backward_layer(i, net.layer_need_backward[i])
-    alone = state()
-    assert not taken
-    for name, blob in net.blobs.items():      # stale values wherever a pass fails to write
-        if name not in ("x", "t", "loss"):
-            blob.data[...] = blob.diff[...] = 7
-    net.clear_param_diffs()
-    net.forward_from_to()
-    net.backward_from_to()
-    stepped = state()
-    for name, (data, diff) in alone[0].items():
-        np.testing.assert_array_equal(stepped[0][name][0], data, err_msg=f"{name} data")
-        np.testing.assert_array_equal(stepped[0][name][1], diff, err_msg=f"{name} diff")
-    np.testing.assert_array_equal(stepped[1], alone[1])
+    alone = _alone_then_spanned(net, 5, lambda: not taken)
     assert taken == ([0, 0] if engine == "direct" else [])     # forward, backward
 
     net.blobs["pool1"].data[...] = 7
     net.forward(end="conv1")
     assert (net.blobs["pool1"].data == 7).all()     # pool1 not in the span: not run
     net.forward(start="pool1", end="relu1")
-    np.testing.assert_array_equal(net.blobs["pool1"].data, alone[0]["pool1"][0])
+    np.testing.assert_array_equal(net.blobs["pool1"].data, alone["pool1"][0])
