@@ -268,6 +268,12 @@ def _takes_step(lay, g, cg, group, step, images):
             and lay.rows(g, cg) and step.images == native.ptr(images))
 
 
+def takes_dy_step(g, w, group, need_dw, dt, step, dy):
+    """Whether backward runs `step` (a native.ImageStep that makes dy) inside its weight
+    gradient; where not, the caller must run it before anything reads dy."""
+    return need_dw and _takes_step(_Layout(dt), g, w.shape[1], group, step, dy)
+
+
 def _ran(step, results):
     """Record that the kernels ran `step`, with their results."""
     if min(results) < 0:
@@ -340,13 +346,9 @@ def backward(g, dy, x, w, dx, group, need_dw, dt, need_db=False, dx_relu=None, b
     thread); db is None where the caller must take it itself (dw not needed, or a batch too
     small for runs of images). dx_relu, (gate, negative_slope): a folded ReLU's backward on
     dx, gate its output (x's shape), where the kernels take it. before, a native.ImageStep
-    that makes dy: run on each run of images just before the weight gradient reads them
-    where the kernels take it, else first over the whole batch."""
+    that makes dy, which takes_dy_step allows: run on each run of images just before the
+    weight gradient reads them."""
     lay = _Layout(dt)
-    if before is not None and not (need_dw
-                                   and _takes_step(lay, g, w.shape[1], group, before, dy)):
-        before.run()
-        before = None
     if need_dw and lay.rows(g, w.shape[1]):
         dw, db = _rows_weight_gradient(lay, g, dy, x, w, group, need_db, dt, before)
         if before is not None and before.counted:

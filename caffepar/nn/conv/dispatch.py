@@ -294,8 +294,9 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
         return None, None, None
     engine = _engine(g, cg, og, group, n, dt, calibrate.backward_pass(need_dx, need_dw))
     whole = engine in ("winograd", "direct") and n > 0       # dx written in full
-    if before is not None and not (whole and engine == "direct"):
-        before.run()
+    if before is not None and not (whole and engine == "direct" and direct.takes_dy_step(
+            g, w, group, need_dw, dt, before, dy)):
+        before.run()        # a pass of its own, before anything reads dy
         before = None
     use_cols = engine in ("band", "im2col") and n > 0 and (need_dx or need_dw)
     dx = final = None
