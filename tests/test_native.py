@@ -33,6 +33,9 @@ def same(a, b):
     a, b = np.asarray(a), np.asarray(b)
     assert a.dtype == b.dtype and a.shape == b.shape
     assert np.array_equal(a, b, equal_nan=True), f"max difference {np.nanmax(abs(a - b))}"
+    if a.dtype.kind == "f":
+        signed = ~np.isnan(a)
+        assert np.array_equal(np.signbit(a[signed]), np.signbit(b[signed])), "-0 against +0"
 
 
 # ------------------------------------------------------------------ building
@@ -116,6 +119,9 @@ def test_pooling_equals_numpy(shape, dtype, compiled):
     g = pooling.PoolGeometry(kh, kw, ph, pw, sh, sw, *shape[10:])
     g.reshape(h, w)
     dy = rng.standard_normal((n, c, g.oh, g.ow)).astype(dtype)
+    dy.reshape(-1)[1::5] = -0.0                     # alone on a cell: +0, as Caffe's sum starts
+    dy.reshape(-1)[3::97] = np.nan                  # to the winner only
+    dy.reshape(-1)[4::89] = -np.inf
 
     def run():
         y = np.empty((n, c, g.oh, g.ow), dtype)

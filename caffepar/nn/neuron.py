@@ -81,22 +81,24 @@ def _sigmoid(x, out):
 
 def relu_forward(x, y, slope, scratch=None):
     """y = max(x, 0) + slope * min(x, 0), side by side on the cores; scratch(name, size,
-    dtype) gives the NumPy path its chunk buffers (default: fresh ones)."""
+    dtype) gives the NumPy path its chunk buffers (default: fresh ones). As Caffe's std::max
+    and std::min compute it: x where x < 0 is false (-0 and NaN kept), else +0 + slope * x
+    (NumPy's maximum turns -0 into +0)."""
     scratch = scratch or (lambda name, size, dtype: np.empty(min(CHUNK, size), dtype))
     k = _compiled(x, y)
     if k is not None:       # 3-4x NumPy's np.maximum, which also checks for NaNs
         _side_by_side(k.relu_forward, (x, y), (slope,))
         return
-    if slope == 0:
-        np.maximum(x, 0, out=y)
-        return
-    buf = scratch("neg", x.size, x.dtype)
+    buf, below = scratch("neg", x.size, x.dtype), scratch("below", x.size, bool)
     for xc, yc in _chunks(x, y):
-        t = buf[:len(xc)]
-        np.minimum(xc, 0, out=t)
-        t *= slope
-        np.maximum(xc, 0, out=yc)
-        yc += t
+        t, m = buf[:len(xc)], below[:len(xc)]
+        np.less(xc, 0, out=m)
+        with np.errstate(invalid="ignore"):     # inf * 0, where x < 0 is false: unused
+            np.multiply(xc, slope, out=t)
+        t += 0
+        if x is not y:
+            np.copyto(yc, xc)
+        np.copyto(yc, t, where=m)
 
 
 def relu_backward(x, dy, dx, slope, scratch=None):

@@ -239,7 +239,7 @@ def max_pool_forward(g, x, out, relu=None):
                     a.fill(0)
                     continue
                 np.greater(v, o, out=m)
-                np.fmax(o, v, out=o)
+                np.copyto(o, v, where=m)    # the winner's own value: fmax may pick either zero
                 np.multiply(src, t.dtype.type(k), out=t)
                 np.maximum(a, t, out=a)
             if not g.direct:
@@ -457,8 +457,8 @@ def ave_pool_backward(g, dy, dx, relu=None, gate=None):
             size = n * g.span - g.max_offset
             d = dys.reshape(-1)[:size]
             for k, p, off, first in g.taps:
-                if first:
-                    np.copyto(flat[p, :size], d)
+                if first:           # +0 + d: Caffe's sum starts at +0 (-0 alone gives +0)
+                    np.add(d, 0, out=flat[p, :size])
                     flat[p, size:n * g.span] = 0
                 else:
                     flat[p, off:off + size] += d
