@@ -144,12 +144,11 @@ def format_benchmark(net, result, engines=False):
         if hasattr(net.layers[i], "engine"):
             shape = net.blob_list[net.bottom_ids[i][0]].shape
             engine = f"\tengine: {net.layers[i].engine(shape)}"
-        inside = i in net.relu_in_producer or i in net.step_forward
-        fold = f"\t(runs inside {net._layer_names[i - 1]})" if inside else ""
+        host = i - 1 if i in net.relu_in_producer else net.step_forward.get(i)
+        fold = f"\t(runs inside {net._layer_names[host]})" if host is not None else ""
         lines.append(f"{name:>{width}}\tforward: {f:.4f} ms.{engine}{fold}")
-        fold = (f"\t(runs inside {net._layer_names[i + 1]})" if i in net.relu_in_consumer
-                else f"\t(runs inside {net._layer_names[i - 1]})" if i in net.step_backward
-                else "")
+        host = i + 1 if i in net.relu_in_consumer else net.step_backward.get(i)
+        fold = f"\t(runs inside {net._layer_names[host]})" if host is not None else ""
         lines.append(f"{name:>{width}}\tbackward: {b:.4f} ms.{comm}{fold}")
     fsum, bsum = result.forward_ms.sum(), result.backward_ms.sum()
     lines += [f"Average Forward pass: {fsum:.4f} ms.",

@@ -352,6 +352,65 @@ def _alone_then_spanned(net, seed, check_alone=lambda: True):
     return alone[0]
 
 
+AVE_STEP_NET = """
+  layer { name: "in" type: "Input" top: "x" top: "t"
+          input_param { shape { dim: 6 dim: 3 dim: 16 dim: 16 } shape { dim: 6 dim: 4 dim: 4 dim: 4 } } }
+  layer { name: "conv1" type: "Convolution" bottom: "x" top: "conv1"
+          convolution_param { num_output: 10 kernel_size: 5 pad: 2
+                              weight_filler { type: "gaussian" std: 0.3 }
+                              bias_filler { type: "gaussian" std: 0.3 } } }
+  layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+  layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+          pooling_param { pool: AVE kernel_size: 3 stride: 2 } }
+  layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+          convolution_param { num_output: 8 kernel_size: 3 pad: 1
+                              weight_filler { type: "gaussian" std: 0.3 }
+                              bias_filler { type: "gaussian" std: 0.3 } } }
+  layer { name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2"
+          pooling_param { pool: AVE kernel_size: 3 stride: 2 } }
+  layer { name: "relu3" type: "ReLU" bottom: "pool2" top: "pool2"
+          relu_param { negative_slope: 0.1 } }
+  layer { name: "conv3" type: "Convolution" bottom: "pool2" top: "conv3"
+          convolution_param { num_output: 4 kernel_size: 3 pad: 1
+                              weight_filler { type: "gaussian" std: 0.3 } } }
+  layer { name: "loss" type: "EuclideanLoss" bottom: "conv3" bottom: "t" top: "loss" }
+  force_backward: true
+"""
+
+
+@pytest.mark.parametrize("kernels,engine,threads", [("native", "direct", 2),
+                                                    ("native", "direct", 1),
+                                                    ("native", "im2col", 2),
+                                                    ("numpy", "", 1)])
+def test_ave_pooling_runs_inside_the_convolution_with_the_same_bits(
+        kernels, engine, threads, monkeypatch):
+    """An AVE Pooling right after a Convolution, or behind a ReLU that runs inside it, runs
+    inside that Convolution's forward too, on each image as it is written: on the direct
+    engine's rows kernels (conv1, relu1 between) and its image-by-image kernels (conv2, with
+    the ReLU after the pooling, relu3). Its backward, with a ReLU's before it, runs as a pass
+    of its own before the convolution reads its diff. Every blob and parameter diff: the bits
+    of layers run alone."""
+    from caffepar.nn.conv import direct
+    _use_kernels(kernels, engine, threads, monkeypatch)
+    taken = []
+    ran = direct._ran
+    monkeypatch.setattr(direct, "_ran", lambda step, results: (taken.append(sum(results)),
+                                                               ran(step, results)))
+    net = Net(P(AVE_STEP_NET), TRAIN)
+    assert net.step_forward == net.step_backward == {3: 1, 5: 4}
+    assert net.relu_in_producer == {2: 0.0, 6: np.float32(0.1)}
+    alone = _alone_then_spanned(net, 6, lambda: not taken)
+    assert taken == ([0, 0] if engine == "direct" else [])     # conv1's and conv2's forward
+
+    assert (alone["pool2"][0] < 0).any()            # relu3 has work to do
+    net.blobs["pool2"].data[...] = 7
+    net.forward(end="conv2")
+    assert (net.blobs["pool2"].data == 7).all()     # pool2 not in the span: not run
+    np.testing.assert_array_equal(net.blobs["conv2"].data, alone["conv2"][0])
+    net.forward(start="pool2", end="relu3")
+    np.testing.assert_array_equal(net.blobs["pool2"].data, alone["pool2"][0])
+
+
 @pytest.mark.parametrize("pool", ["MAX", "AVE"])
 @pytest.mark.parametrize("slope", [0.0, 0.25])
 @pytest.mark.parametrize("kernels,engine,threads", [("native", "direct", 2),
@@ -414,7 +473,7 @@ def test_pooling_run_inside_the_convolution_gives_the_bits_of_layers_run_alone(
     monkeypatch.setattr(direct, "_ran", lambda step, results: (taken.append(sum(results)),
                                                                ran(step, results)))
     net = Net(P(STEP_NET), TRAIN)
-    assert net.step_forward == net.step_backward == {2}
+    assert net.step_forward == net.step_backward == {2: 1}
     assert net.relu_in_producer == {3: 0.0}
     alone = _alone_then_spanned(net, 5, lambda: not taken)
     assert taken == ([0, 0] if engine == "direct" else [])     # forward, backward

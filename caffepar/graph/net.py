@@ -256,25 +256,34 @@ class Net:
     def _fold_steps(self):
         """Which layers run as image steps inside the layer before them
         (Layer.takes_image_steps, Layer.image_step): a layer whose only bottom is the only top
-        of the layer before, read by nothing else, with no loss on either. step_forward holds
-        the layers that do so in forward; step_backward those that do in backward too (both
-        layers run backward, the step's down to the blob between them)."""
-        self.step_forward, self.step_backward = set(), set()
+        of the layer before, read by nothing else, with no loss on either -- or the top of an
+        in-place ReLU between them that runs inside that layer's forward (_fold_relus). Both
+        {step layer: the layer it runs inside}: step_forward for forward; step_backward for
+        backward too (both layers run backward, the step's down to the blob between them, and
+        a ReLU between them runs inside the step's backward)."""
+        self.step_forward, self.step_backward = {}, {}
         readers = Counter(b for ids in self.bottom_ids for b in ids)
         for p in range(1, len(self.layers)):
             c = p - 1
+            relu = c in self.relu_in_producer
+            if relu:
+                c -= 1
             if not (len(self.bottom_ids[p]) == 1 and self.top_ids[c] == self.bottom_ids[p]
-                    and readers[self.bottom_ids[p][0]] == 1 and len(self.top_ids[p]) == 1
+                    and readers[self.bottom_ids[p][0]] == 1 + relu
+                    and len(self.top_ids[p]) == 1
                     and self.top_ids[p] != self.bottom_ids[p]
                     and not any(self.layers[c].loss_weights)
                     and not any(self.layers[p].loss_weights)
                     and self.layers[c].takes_image_steps()
                     and self.layers[p].gives_image_steps()):
                 continue
-            self.step_forward.add(p)
+            self.step_forward[p] = c
             if (self.layer_need_backward[p] and self.bottom_need_backward[p][0]
-                    and self.layer_need_backward[c]):
-                self.step_backward.add(p)
+                    and self.layer_need_backward[c]
+                    and (not relu or p - 1 in self.relu_in_consumer)):
+                self.step_backward[p] = c
+        self._steps_inside = {c: p for p, c in self.step_forward.items()}
+        self._steps_inside_backward = {c: p for p, c in self.step_backward.items()}
 
     def _decide_backward(self, param, blob_need_backward):
         """Caffe's rule: only layers on a path to a loss run backward; force_backward overrides."""
@@ -443,15 +452,16 @@ class Net:
         bottoms = self._blobs_of(self.bottom_ids[i])
         tops = self._blobs_of(self.top_ids[i])
         folded = start is not None and start < i and i in self.relu_in_producer
-        stepped = start is not None and start < i and i in self.step_forward
+        stepped = (start is not None and i in self.step_forward
+                   and start <= self.step_forward[i])
         for o in self.observers:
             o.layer_start("forward", i)
         layer.relu_top = self._relu_after(i, start, end)
         with np.errstate(all="ignore"):     # non-finite values are Caffe's to carry, ours
             if not stepped:                 # to report once (the solver's non-finite check)
                 layer.reshape(bottoms, tops)
-            if start is not None and i < end and i + 1 in self.step_forward:
-                layer.step_top = self._forward_step(i + 1, end)
+            if start is not None and self._steps_inside.get(i, end + 1) <= end:
+                layer.step_top = self._forward_step(self._steps_inside[i], end)
             if not (folded or stepped):
                 layer.forward(bottoms, tops)
             layer.step_top = None
@@ -487,10 +497,10 @@ class Net:
         layer.relu_bottom = relu
         if start is not None and i < start and i in self.relu_in_consumer:
             run = False
-        if start is not None and i > end and i in self.step_backward:
+        if start is not None and i in self.step_backward and self.step_backward[i] >= end:
             run = False
-        if run and start is not None and i < start and i + 1 in self.step_backward:
-            p = i + 1
+        p = self._steps_inside_backward.get(i)
+        if run and start is not None and p is not None and p <= start:
             layer.step_top_diff = self.layers[p].image_step(
                 self._blobs_of(self.bottom_ids[p]), self._blobs_of(self.top_ids[p]), False)
         if run:

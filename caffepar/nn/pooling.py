@@ -275,6 +275,19 @@ def max_pool_forward_step(g, x, out, relu, run):
     return native.ImageStep(k.steps["max_pool_forward_images"], args, native.ptr(x), run), arg
 
 
+def ave_pool_forward_step(g, x, out, relu, run):
+    """ave_pool_forward as a native.ImageStep on runs of whole images of x (N, C, H, W); `run`
+    the pass over the whole batch, where the kernels cannot take it."""
+    k = _kernels(x, out)
+    if k is None or x.ndim != 4:
+        return native.ImageStep(None, (), native.ptr(x), run)
+    slope = np.float64(0.0 if relu is None else relu).view(np.int64)
+    args = (native.ptr(x), native.ptr(out), x.strides[0], out.strides[0], x.shape[1],
+            g.h, g.w, g.oh, g.ow, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.rows, g.cols,
+            int(relu is not None), slope)
+    return native.ImageStep(k.steps["ave_pool_forward_images"], args, native.ptr(x), run)
+
+
 def max_pool_backward_step(g, arg, dy, dx, run):
     """max_pool_backward (no ReLU folded) as a native.ImageStep on runs of whole images of dx
     (N, C, H, W); `run` the pass over the whole batch, where the kernels cannot take it."""
@@ -573,21 +586,23 @@ class PoolingLayer(Layer):
         return top or self.method == PP.AVE or slope == 0
 
     def gives_image_steps(self):
-        """MAX pooling with one top, not global: its passes run on the images of the layer
-        before it, as that layer writes them (forward) and just before it reads their diff
-        (backward), while they are in cache."""
-        return (self.method == PP.MAX and not self.global_pooling
+        """MAX and AVE pooling with one top, not global: its passes run on the images of the
+        layer before it, as that layer writes them (forward) and, for MAX, just before it
+        reads their diff (backward), while they are in cache."""
+        return (self.method in (PP.MAX, PP.AVE) and not self.global_pooling
                 and len(self.param.top) == 1)
 
     def image_step(self, bottom, top, forward):
         g = self.geom
         if forward:
+            run = lambda: self.forward(bottom, top)     # noqa: E731
+            if self.method == PP.AVE:
+                return ave_pool_forward_step(g, bottom[0].data, top[0].data, self.relu_top, run)
             step, self.arg = max_pool_forward_step(g, bottom[0].data, top[0].data,
-                                                   self.relu_top,
-                                                   lambda: self.forward(bottom, top))
+                                                   self.relu_top, run)
             return step
         run = lambda: self.backward(top, [True], bottom)     # noqa: E731
-        if self.relu_bottom is not None:
+        if self.relu_bottom is not None or self.method == PP.AVE:
             return native.ImageStep(None, (), native.ptr(bottom[0].diff), run)
         return max_pool_backward_step(g, self.arg, top[0].diff, bottom[0].diff, run)
 

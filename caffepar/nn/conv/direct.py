@@ -156,20 +156,23 @@ class _Layout:
                                    *inside, r0, r1)
 
     def forward_nchw(self, x, wt, y, bias, i, m, g, pad, ci0, channels, co0, och, buf,
-                     claim=None, relu=None, gate=None):
+                     claim=None, relu=None, gate=None, after=None):
         """y[i:i + m] channels co0 .. co0 + och (+ bias) = the forward kernel over channels
         ci0 .. ci0 + channels of x[i:i + m], image by image through one image's buffers (with
         claim, a counter shared with other threads' calls: the images they have not taken).
         With relu (a negative_slope) a folded ReLU follows on each image: its forward, or with
-        gate (its output, y's shape) its backward, y being its diff."""
+        gate (its output, y's shape) its backward, y being its diff; then with after (a
+        native.ImageStep on y's images) that step. Returns the kernel's result (negative: the
+        step failed)."""
         _, c_in, h, w = x.shape
         _, c_out, ho, wo = y.shape
-        self.k.conv_direct_forward_nchw(
+        return self.k.conv_direct_forward_nchw(
             self.image(x, i), native.ptr(buf["x"]), native.ptr(wt), native.ptr(buf["y"]),
             self.image(y, i), None if bias is None else native.ptr(bias), m, c_in, ci0,
             channels, h, w, *pad, buf["y"].shape[-1], *g.kernel, ho, wo, *g.stride,
             *g.dilation, c_out, co0, och, claim, None if gate is None else native.ptr(gate),
-            0.0 if relu is None else relu, int(relu is not None and gate is None))
+            0.0 if relu is None else relu, int(relu is not None and gate is None),
+            *_step(after))
 
     def weight_gradient_nchw(self, out, db, x, dy, i, m, g, ci0, channels, co0, och, buf):
         """out (C, KH, KW, CP) += the weight gradient of images i .. i + m (channels ci0 ..
@@ -261,11 +264,17 @@ def _step(step):
     return (None, None) if step is None else (step.address, step.args_address)
 
 
+def _runs_on(step, group, images):
+    """Whether `step` (a native.ImageStep, or None) is compiled, on the array `images`, of a
+    layer of one group: one the kernels can run in their loop over its images."""
+    return (step is not None and step.address is not None and group == 1
+            and step.images == native.ptr(images))
+
+
 def _takes_step(lay, g, cg, group, step, images):
     """Whether the rows kernels run `step` (a native.ImageStep, or None) in their loop over
     the array `images`."""
-    return (step is not None and step.address is not None and group == 1
-            and lay.rows(g, cg) and step.images == native.ptr(images))
+    return lay.rows(g, cg) and _runs_on(step, group, images)
 
 
 def takes_dy_step(g, w, group, need_dw, dt, step, dy):
@@ -321,13 +330,16 @@ def forward(g, x, w, bias, y, group, dt, relu=None, after=None):
         if step is not None:
             _ran(step, results)
         return True
+    step = after if _by_images(n) and _runs_on(after, group, y) else None
     for gi in range(group):
         wt = lay.weights(w[gi * og:(gi + 1) * og])
         b = None if bias is None else np.ascontiguousarray(bias[gi * og:(gi + 1) * og])
         if _by_images(n):
-            _shared_out(lambda claim: lay.forward_nchw(
+            results = _shared_out(lambda claim: lay.forward_nchw(
                 x, wt, y, b, 0, n, g, g.pad, gi * cg, cg, gi * og, og, _buffers(shapes, dt, 1),
-                claim, relu), n)
+                claim, relu, after=step), n)
+            if step is not None:
+                _ran(step, results)
             continue
         buf = _buffers(shapes, dt)
         _run(lambda i, m, _a, _b: lay.pad(buf["x"], x, i, m, gi * cg, cg, g.pad), _parts(n, 1))

@@ -75,7 +75,7 @@ SIGNATURES = {
     "conv_from_lanes": "ppp" + "i" * 6,
     "conv_direct_forward": "ppp" + "i" * 20,
     "conv_direct_dw": "ppp" + "i" * 19,
-    "conv_direct_forward_nchw": "pppppp" + "i" * 20 + "ppdi",
+    "conv_direct_forward_nchw": "pppppp" + "i" * 20 + "ppdi" + "pp",
     "conv_direct_dw_nchw": "pppppp" + "i" * 21,
     "conv_dw_from_runs": "pp" + "i" * 5,
     "conv_weights": "pp" + "i" * 10,
@@ -87,7 +87,8 @@ SIGNATURES = {
 
 #: Kernels another kernel runs on the images of its own loop (kernels.c's image_step): their
 #: addresses, passed to it with an int64 array of their arguments.
-IMAGE_STEPS = ("max_pool_forward_images", "max_pool_backward_images")
+IMAGE_STEPS = ("max_pool_forward_images", "max_pool_backward_images",
+               "ave_pool_forward_images")
 
 
 class KernelBuildError(CaffeparError):
