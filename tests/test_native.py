@@ -336,3 +336,12 @@ def test_inner_product_kernels_equal_blas(m, k, n, dtype, tol, engine, compiled)
         results[name] = y, dx, dw
     for got, want in zip(results[engine], results["blas"]):
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_ptr_is_the_data_address_of_any_array():
+    """native.ptr reads the address from the array object; it must be what NumPy reports
+    for views, offsets, empty arrays and subclasses."""
+    a = np.arange(120.0).reshape(10, 12)
+    for v in (a, a[3], a[:, 5], a.T, a[2:, 3:], np.empty(0, np.float32), a[4:4],
+              a.view(np.matrix), np.ma.masked_array(a)):
+        assert native.ptr(v) == v.ctypes.data
