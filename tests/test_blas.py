@@ -501,3 +501,21 @@ def test_contended_gemm_runs_in_parts(shape, trans_a, trans_b, beta, monkeypatch
     with blas.single_threaded_blas():
         blas.gemm_views(a, b, c, trans_a, trans_b, beta)
     np.testing.assert_array_equal(split, c)
+
+
+def test_scratch_keeps_one_buffer_per_role_and_its_views():
+    """A role's work array is the same memory on every call; a larger request replaces the
+    buffer, and the views kept of the old one are not handed out again; release_workspace
+    frees them all."""
+    from caffepar.nn.blas import release_workspace, scratch
+    a = scratch("test_role", (4, 8), np.float32)
+    assert scratch("test_role", (4, 8), np.float32) is a
+    b = scratch("test_role", (32,), np.float32)
+    assert np.shares_memory(a, b) and b.shape == (32,)
+    big = scratch("test_role", (64, 8), np.float32, zero=True)
+    assert not big.any()
+    again = scratch("test_role", (4, 8), np.float32)
+    assert np.shares_memory(again, big) and not np.shares_memory(again, a)
+    assert scratch("test_role", [4, 8], np.float32).shape == (4, 8)
+    release_workspace()
+    assert not np.shares_memory(scratch("test_role", (4, 8), np.float32), big)
