@@ -318,6 +318,25 @@ def _use_kernels(kernels, engine, threads, monkeypatch):
     monkeypatch.setattr(direct, "blas_threads", lambda: threads)
 
 
+#: The kernel paths a fold test runs on: the direct engine on 2 threads and 1, im2col (which
+#: takes no fold), the NumPy kernels.
+FOLD_KERNELS = pytest.mark.parametrize("kernels,engine,threads", [("native", "direct", 2),
+                                                                  ("native", "direct", 1),
+                                                                  ("native", "im2col", 2),
+                                                                  ("numpy", "", 1)])
+
+
+def _steps_taken(monkeypatch):
+    """A list of the results of each image step the direct engine's kernels run, filled as
+    they run them."""
+    from caffepar.nn.conv import direct
+    taken = []
+    ran = direct._ran
+    monkeypatch.setattr(direct, "_ran", lambda step, results: (taken.append(sum(results)),
+                                                               ran(step, results)))
+    return taken
+
+
 def _alone_then_spanned(net, seed, check_alone=lambda: True):
     """Random inputs x and t; each layer's forward and backward run alone, then the net's
     passes over every layer (stale values in every other blob first): every blob's data and
@@ -378,10 +397,7 @@ AVE_STEP_NET = """
 """
 
 
-@pytest.mark.parametrize("kernels,engine,threads", [("native", "direct", 2),
-                                                    ("native", "direct", 1),
-                                                    ("native", "im2col", 2),
-                                                    ("numpy", "", 1)])
+@FOLD_KERNELS
 def test_ave_pooling_runs_inside_the_convolution_with_the_same_bits(
         kernels, engine, threads, monkeypatch):
     """An AVE Pooling right after a Convolution, or behind a ReLU that runs inside it, runs
@@ -390,12 +406,8 @@ def test_ave_pooling_runs_inside_the_convolution_with_the_same_bits(
     the ReLU after the pooling, relu3). Its backward, with a ReLU's before it, runs as a pass
     of its own before the convolution reads its diff. Every blob and parameter diff: the bits
     of layers run alone."""
-    from caffepar.nn.conv import direct
     _use_kernels(kernels, engine, threads, monkeypatch)
-    taken = []
-    ran = direct._ran
-    monkeypatch.setattr(direct, "_ran", lambda step, results: (taken.append(sum(results)),
-                                                               ran(step, results)))
+    taken = _steps_taken(monkeypatch)
     net = Net(P(AVE_STEP_NET), TRAIN)
     assert net.step_forward == net.step_backward == {3: 1, 5: 4}
     assert net.relu_in_producer == {2: 0.0, 6: np.float32(0.1)}
@@ -413,10 +425,7 @@ def test_ave_pooling_runs_inside_the_convolution_with_the_same_bits(
 
 @pytest.mark.parametrize("pool", ["MAX", "AVE"])
 @pytest.mark.parametrize("slope", [0.0, 0.25])
-@pytest.mark.parametrize("kernels,engine,threads", [("native", "direct", 2),
-                                                    ("native", "direct", 1),
-                                                    ("native", "im2col", 2),
-                                                    ("numpy", "", 1)])
+@FOLD_KERNELS
 def test_folded_relus_give_the_bits_of_relu_layers_run_alone(pool, slope, kernels, engine,
                                                              threads, monkeypatch):
     """In-place ReLUs run inside the Convolution or Pooling beside them when the net runs a
@@ -455,10 +464,7 @@ STEP_NET = """
 """
 
 
-@pytest.mark.parametrize("kernels,engine,threads", [("native", "direct", 2),
-                                                    ("native", "direct", 1),
-                                                    ("native", "im2col", 2),
-                                                    ("numpy", "", 1)])
+@FOLD_KERNELS
 def test_pooling_run_inside_the_convolution_gives_the_bits_of_layers_run_alone(
         kernels, engine, threads, monkeypatch):
     """A MAX Pooling right after a Convolution runs inside it when the net runs both: forward
@@ -466,12 +472,8 @@ def test_pooling_run_inside_the_convolution_gives_the_bits_of_layers_run_alone(
     weight gradient reads their diff (on the direct engine's rows kernels, 6 images in runs
     and tiles; on other engines as a pass of its own). Every blob's data and diff and every
     parameter diff come out bit for bit as when each layer runs alone."""
-    from caffepar.nn.conv import direct
     _use_kernels(kernels, engine, threads, monkeypatch)
-    taken = []
-    ran = direct._ran
-    monkeypatch.setattr(direct, "_ran", lambda step, results: (taken.append(sum(results)),
-                                                               ran(step, results)))
+    taken = _steps_taken(monkeypatch)
     net = Net(P(STEP_NET), TRAIN)
     assert net.step_forward == net.step_backward == {2: 1}
     assert net.relu_in_producer == {3: 0.0}
