@@ -71,7 +71,8 @@ def main():
                          "scaling": one / (n * many)})
     lines = [f"# cifar10_quick on 1 and {n} threads", "",
              f"Written by `python scripts/bench_scaling.py {' '.join(args.revisions)} --threads {n}"
-             f" --rounds {args.rounds}` ({started}, alternating rounds, fastest counts). CPU: "
+             f" --rounds {args.rounds}{f' --out {args.out}' if args.out else ''}` ({started}, "
+             f"alternating rounds, fastest counts). CPU: "
              f"{cpu_name()}; kernels built for {isa}"
              + (f" (CAFFEPAR_CFLAGS={os.environ['CAFFEPAR_CFLAGS']})"
                 if os.environ.get("CAFFEPAR_CFLAGS") else "")
