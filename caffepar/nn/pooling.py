@@ -254,9 +254,10 @@ def max_pool_forward(g, x, out, relu=None):
     return args
 
 
-def _step_dims(g, arg):
-    return (g.h, g.w, g.oh, g.ow, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.rows, g.cols,
-            arg.itemsize)
+def _step_dims(g, arg=None):
+    """An image step's geometry arguments (h .. cols), then the winners' index size."""
+    dims = (g.h, g.w, g.oh, g.ow, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.rows, g.cols)
+    return dims if arg is None else dims + (arg.itemsize,)
 
 
 def max_pool_forward_step(g, x, out, relu, run):
@@ -282,9 +283,8 @@ def ave_pool_forward_step(g, x, out, relu, run):
     if k is None or x.ndim != 4:
         return native.ImageStep(None, (), native.ptr(x), run)
     slope = np.float64(0.0 if relu is None else relu).view(np.int64)
-    args = (native.ptr(x), native.ptr(out), x.strides[0], out.strides[0], x.shape[1],
-            g.h, g.w, g.oh, g.ow, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.rows, g.cols,
-            int(relu is not None), slope)
+    args = (native.ptr(x), native.ptr(out), x.strides[0], out.strides[0],
+            x.shape[1]) + _step_dims(g) + (int(relu is not None), slope)
     return native.ImageStep(k.steps["ave_pool_forward_images"], args, native.ptr(x), run)
 
 
