@@ -810,3 +810,36 @@ def test_engines_declare_odd_geometries(cs, tmp_path, monkeypatch):
         for got, ref in zip(cm.conv_backward(dy, x, w, *args), grads):
             close(got, ref, 1e-4)
         close(cm.deconv_forward(dy, w, None, *args), ref_deconv(dy, w, None, *args), 1e-4)
+
+
+@pytest.mark.parametrize("act", [None, "relu", "leaky", "clip", "prelu", "prelu_shared"])
+def test_epilogue_is_the_unfused_chain(act):
+    """conv_forward with an epilogue equals the convolution, then its bias, a folded
+    BatchNorm + Scale (per-channel scale and shift) and the activation, each on its own."""
+    from caffepar.nn.conv.epilogue import Epilogue
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 6, 7, 8)).astype(np.float32)
+    w = rng.standard_normal((6, 2, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(6).astype(np.float32)
+    scale = rng.uniform(0.5, 2, 6).astype(np.float32)
+    shift = rng.standard_normal(6).astype(np.float32)
+    slopes = rng.uniform(0.1, 0.3, 6).astype(np.float32)
+    kw = {None: {}, "relu": dict(act="relu"), "leaky": dict(act="relu", slope=0.1),
+          "clip": dict(act="clip", lo=0.0, hi=1.0), "prelu": dict(act="prelu", slopes=slopes),
+          "prelu_shared": dict(act="prelu", slopes=slopes[:1])}[act]
+    ep = Epilogue(scale=scale, shift=b * scale + shift, **kw)
+    y = cm.conv_forward(x, w, None, 1, 1, 1, 3, epilogue=ep)
+    z = cm.conv_forward(x, w, b, 1, 1, 1, 3).astype(np.float64)
+    z = z * scale[:, None, None] + shift[:, None, None]
+    if act == "relu":
+        z = np.maximum(z, 0)
+    elif act == "leaky":
+        z = np.where(z < 0, 0.1 * z, z)
+    elif act == "clip":
+        z = np.clip(z, 0, 1)
+    elif act in ("prelu", "prelu_shared"):
+        s = slopes[:, None, None] if act == "prelu" else slopes[0]
+        z = np.where(z < 0, s * z, z)
+    np.testing.assert_allclose(y, z, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="epilogue takes the place"):
+        cm.conv_forward(x, w, b, 1, 1, 1, 3, epilogue=ep)

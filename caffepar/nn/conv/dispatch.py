@@ -8,6 +8,7 @@ import numpy as np
 from caffepar.nn import calibrate, native
 from caffepar.nn.blas import blas_threads
 from caffepar.nn.conv import band, cols, direct, grid, pointwise, winograd
+from caffepar.nn.conv.epilogue import apply_epilogue
 from caffepar.nn.conv.geometry import bias_diff, expand, flipped_geom, flipped_weights, geom
 from caffepar.nn.neuron import relu_backward, relu_forward
 
@@ -186,15 +187,19 @@ def _deliver(result, final):
     return final
 
 
-def conv_forward(x, w, b, stride, pad, dilation, group, out=None, relu=None, after=None):
+def conv_forward(x, w, b, stride, pad, dilation, group, out=None, relu=None, after=None,
+                 epilogue=None):
     """x (N, C, *S), w (O, C//group, *K), b (O,) or None -> y (N, O, *S_out), C-contiguous.
 
     With ``out`` (shape (N, O, *S_out)) the result is written there and
     returned, saving the caller a copy. With ``relu`` (a negative_slope) a ReLU follows
     (inside the engine's passes where it can). With ``after`` (a native.ImageStep on out's
     images) that step follows: on each image as it is written where the engine can take it,
-    else over the whole batch.
+    else over the whole batch. With ``epilogue`` (an epilogue.Epilogue; b must then be None,
+    its bias folded into the epilogue's shift) the output is act(conv * scale + shift).
     """
+    if epilogue is not None and (b is not None or relu is not None or after is not None):
+        raise ValueError("conv_forward: an epilogue takes the place of b, relu and after")
     x = np.asarray(x)
     w = np.asarray(w)
     _check(x, w, group, "conv_forward")
@@ -211,6 +216,8 @@ def conv_forward(x, w, b, stride, pad, dilation, group, out=None, relu=None, aft
     if n and not _conv_forward_into(g, x, w, bias, y, group, dt, relu, after) \
             and relu is not None:
         relu_forward(y, y, relu)
+    if epilogue is not None:
+        apply_epilogue(y, epilogue)
     y = _deliver(y, final)
     if after is not None and not after.ran:
         after.run()
