@@ -843,3 +843,22 @@ def test_epilogue_is_the_unfused_chain(act):
     np.testing.assert_allclose(y, z, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="epilogue takes the place"):
         cm.conv_forward(x, w, b, 1, 1, 1, 3, epilogue=ep)
+
+
+def test_prepared_forward_reads_its_arrays_at_each_call():
+    """A prepared forward runs on what its bound arrays hold when called, not when prepared."""
+    from caffepar.nn.conv.epilogue import Epilogue
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 4, 6, 6)).astype(np.float32)
+    w = rng.standard_normal((8, 4, 1, 1)).astype(np.float32)
+    y = np.empty((1, 8, 6, 6), np.float32)
+    ep = Epilogue(scale=np.ones(8, np.float32), shift=np.zeros(8, np.float32), act="relu")
+    run = cm.prepare_conv_forward(x, w, 1, 0, 1, 1, y, ep)
+    for _ in range(2):
+        x[...] = rng.standard_normal(x.shape)
+        ep.scale[...] = rng.uniform(0.5, 2, 8)
+        ep.shift[...] = rng.standard_normal(8)
+        run()
+        z = np.einsum("oc,nchw->nohw", w[:, :, 0, 0], x) * ep.scale[:, None, None] \
+            + ep.shift[:, None, None]
+        np.testing.assert_allclose(y, np.maximum(z, 0), rtol=1e-5, atol=1e-5)

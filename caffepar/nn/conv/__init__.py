@@ -19,7 +19,8 @@ column buffers in blocks, and the work arrays are reused across calls
 strided views.
 """
 from caffepar.nn.conv.dispatch import (conv_backward, conv_engine, conv_engines, conv_forward,
-                                       deconv_backward, deconv_forward)
+                                       deconv_backward, deconv_forward, prepare_conv_forward)
+from caffepar.nn.conv.epilogue import Epilogue, apply_epilogue
 from caffepar.nn.conv.geometry import conv_output_shape
 from caffepar.nn.conv.cols import col2im, im2col
 
@@ -27,6 +28,9 @@ __all__ = [
     "conv_engine",
     "conv_engines",
     "conv_forward",
+    "prepare_conv_forward",
+    "Epilogue",
+    "apply_epilogue",
     "conv_backward",
     "deconv_forward",
     "deconv_backward",

@@ -224,6 +224,17 @@ def conv_forward(x, w, b, stride, pad, dilation, group, out=None, relu=None, aft
     return y
 
 
+def prepare_conv_forward(x, w, stride, pad, dilation, group, y, epilogue=None):
+    """A call with no arguments that runs conv_forward(x, w, None, ..., out=y,
+    epilogue=epilogue): for a forward that runs the same shapes again and again (an inference
+    plan), with whatever x, w and the epilogue's arrays hold at the time of each call. The
+    arrays are bound by identity: the caller keeps them (and their shapes) while it uses the
+    call."""
+    def run():
+        conv_forward(x, w, None, stride, pad, dilation, group, out=y, epilogue=epilogue)
+    return run
+
+
 def _conv_forward_into(g, x, w, bias, y, group, dt, relu=None, after=None):
     """Whether the engine took the ReLU `relu` (a negative_slope) too (and the step `after`:
     after.ran)."""
