@@ -115,6 +115,9 @@ PartitionName=lab Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=
         os.makedirs(os.path.join(base, sub), exist_ok=True)
     with open(conf_path(lab), "w", encoding="utf-8") as f:
         f.write(text)
+    # srun --mpi=pmix: the PMIx clients' folders on the node's own /var/tmp (nodes share /tmp)
+    with open(os.path.join(base, "mpi.conf"), "w", encoding="utf-8") as f:
+        f.write("PMIxCliTmpDirBase=/var/tmp\n")
     return conf_path(lab)
 
 

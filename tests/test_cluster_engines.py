@@ -131,7 +131,8 @@ def test_slurm_conf_per_node_paths_and_no_cgroups(tmp_path, monkeypatch):
         assert line in conf, line
     for key in ("SlurmdSpoolDir", "SlurmdPidFile", "SlurmdLogFile"):
         assert re.search(rf"^{key}={re.escape(str(tmp_path))}/sc/slurm/nodes/%n/", conf, re.M)
-    assert "cgroup" not in conf.replace("No cgroups", "")
+    assert "cgroup" not in conf
+    assert (tmp_path / "sc/slurm/mpi.conf").read_text() == "PMIxCliTmpDirBase=/var/tmp\n"
     script = netlab_slurm.batch_script(["caffepar", "train", "--solver", "s p.prototxt"],
                                        {"A": "1"})
     assert "srun --mpi=pmi2 --kill-on-bad-exit=1 caffepar train --solver 's p.prototxt'" in script
@@ -317,6 +318,28 @@ def test_srun_under_salloc(tmp_path, slurm_lab):
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     assert "Granted job allocation" in out and "Optimization Done." in out
+    assert_same_weights(final(folder), final(hydra))
+
+
+@cluster
+@need_lab
+@need_slurm
+@need_openmpi
+def test_open_mpi_under_srun_pmix(tmp_path, slurm_lab):
+    """mpi4py on Open MPI started by `srun --mpi=pmix` (PMIx from Slurm; its client folders on
+    each node's own /var/tmp, mpi.conf's PMIxCliTmpDirBase): the weights of hydra's MPICH run."""
+    hydra = cifar_job(tmp_path / "hydra")
+    hydra_run(slurm_lab, hydra, 1, "--parallel", "data")
+    folder = cifar_job(tmp_path / "pmix")
+    ompi = {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "tcp,self,vader",
+            "OMPI_MCA_btl_tcp_if_include": "eth0"}
+    done = subprocess.run(netlab_slurm.in_hub(slurm_lab, [
+        "srun", "-N", "2", "--ntasks-per-node", "1", "--mpi=pmix",
+        *train_cmd(OPENMPI_PYTHON, "--parallel", "data")]), cwd=folder,
+        env=netlab_slurm.environment(slurm_lab, env_with(**ompi)), capture_output=True,
+        text=True, timeout=180)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
     assert_same_weights(final(folder), final(hydra))
 
 
