@@ -13,7 +13,9 @@ instead of logging in. The node gets its network namespace plus private mount (i
 and /sys), UTS (its own hostname) and PID namespaces: all namespaces share one kernel, so a
 transport free to use shared memory or cross-memory attach between "nodes" would bypass the
 link. Ranks of one node talk through MPICH's shared memory; ranks of different nodes through
-UCX (or libfabric) limited to TCP on the node's link.
+UCX (or libfabric) limited to TCP on the node's link. Where mpi4py runs on Open MPI, its mpirun
+starts the job the same way (its rsh launcher's program is the same), on its tcp BTL. With
+`up --slurm` the lab also runs Slurm (caffepar.netlab_slurm).
 """
 import ipaddress
 import json

@@ -57,8 +57,8 @@ def conf_path(lab):
     return os.path.join(folder(lab), "slurm.conf")
 
 
-def hub_name(lab):
-    return "hub"
+#: The login node's hostname and NodeName-like name of the controller.
+HUB = "hub"
 
 
 def node_name(node):
@@ -81,7 +81,7 @@ def write_conf(lab, cpus=None):
     text = f"""\
 # The network lab's Slurm cluster (written by caffepar netlab up --slurm).
 ClusterName=caffepar{lab.name}
-SlurmctldHost={hub_name(lab)}({HUB_ADDRESS})
+SlurmctldHost={HUB}({HUB_ADDRESS})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -159,7 +159,7 @@ def start(lab):
           os.path.join(munge, "munged.log"))
     _daemon(lab, "slurmctld", in_hub(lab, [
         "unshare", "--uts", "--", "/bin/sh", "-c", 'hostname "$1" && shift && exec "$@"',
-        "hub", hub_name(lab), _which("slurmctld"), "-i"]), env,
+        "hub", HUB, _which("slurmctld"), "-i"]), env,
         os.path.join(base, "ctld", "slurmctld.log"))
     for node in range(lab.nodes):
         name = node_name(node)

@@ -111,9 +111,10 @@ def train_cmd(python, *args):
 
 def hydra_run(lab, folder, ranks_per_node, *args):
     """The job on the lab through `caffepar netlab run`'s launcher (hydra, mpich wheel)."""
+    argv = ["train", "--solver", "solver.prototxt", *map(str, args)]
     code = ("import sys\nfrom caffepar import netlab\n"
             f"lab = netlab.Lab({lab.name!r}, {lab.rates!r}, {ranks_per_node})\n"
-            f"sys.exit(netlab.run_job(lab, {['train', '--solver', 'solver.prototxt', *map(str, args)]!r}))")
+            f"sys.exit(netlab.run_job(lab, {argv!r}))")
     done = subprocess.run([sys.executable, "-c", code], cwd=folder, env=env_with(),
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]

@@ -7,35 +7,61 @@ things of its own: Open MPI's mpirun refuses root and more ranks than cores unle
 Slurm's pmi2 plugin (`srun --mpi=pmi2`) cannot serve MPICH's UCX start-up (see
 `prepare_environment`).
 """
+import functools
 import os
 import subprocess
+import sys
+
+
+_QUERY = """
+import mpi4py
+mpi4py.rc.initialize = False        # the version needs no MPI_Init
+from mpi4py import MPI
+lines = MPI.Get_library_version().strip().splitlines() or ["unknown"]
+print(" ".join(lines[0].replace("\\0", " ").split()))
+print("%d.%d" % MPI.Get_version())
+print(mpi4py.__version__)
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _query():
+    """(library, MPI standard version, mpi4py version) of the MPI mpi4py runs on. Asked in a
+    process of its own unless MPI has started here: importing mpi4py.MPI starts MPI, and a
+    launcher must not (nor leave mpi4py unable to start it later)."""
+    if "mpi4py.MPI" in sys.modules:
+        import mpi4py
+        from mpi4py import MPI
+        lines = MPI.Get_library_version().strip().splitlines() or ["unknown"]
+        name = " ".join(lines[0].replace("\0", " ").split())     # Open MPI's ends in a NUL
+        return name, "%d.%d" % MPI.Get_version(), mpi4py.__version__
+    try:
+        done = subprocess.run([sys.executable, "-c", _QUERY], capture_output=True, text=True,
+                              timeout=60)
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"unusable ({error})", None, None
+    if done.returncode:
+        if "No module named 'mpi4py'" in done.stderr:
+            return None, None, None
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"unusable ({last})", None, None
+    return tuple(done.stdout.strip().splitlines()[:3])
 
 
 def library_version():
     """MPI's own name for itself (the first line of MPI_Get_library_version, e.g. `MPICH
-    Version: 5.0.2`, `Open MPI v4.1.4, ...`), read without starting MPI; None without mpi4py."""
-    try:
-        import mpi4py
-        if "mpi4py.MPI" not in __import__("sys").modules:
-            mpi4py.rc.initialize = False        # the version needs no MPI_Init
-        from mpi4py import MPI
-    except ImportError:
-        return None
-    except Exception as error:      # noqa: BLE001 - a broken MPI install: say what it said
-        return f"unusable ({type(error).__name__}: {error})"
-    lines = MPI.Get_library_version().strip().splitlines()
-    return " ".join(lines[0].split()) if lines else "unknown"
+    Version: 5.0.2`, `Open MPI v4.1.4, ...`); None without mpi4py."""
+    return _query()[0]
 
 
 def describe():
     """One line: the MPI library, its MPI standard version, and mpi4py's."""
-    version = library_version()
+    version, standard, mpi4py_version = _query()
     if version is None:
         return "MPI: none (mpi4py is not installed)"
-    import mpi4py
-    from mpi4py import MPI
-    major, minor = MPI.Get_version()
-    return f"MPI: {version} (MPI {major}.{minor}, mpi4py {mpi4py.__version__})"
+    if standard is None:
+        return f"MPI: {version}"
+    return f"MPI: {version} (MPI {standard}, mpi4py {mpi4py_version})"
 
 
 def family():
