@@ -419,14 +419,16 @@ def plot(rows):
     ok = [r for r in rows if r["status"] == "ok"]
     if plt is None or not ok:
         return
-    fig, ax = plt.subplots(figsize=(9, 4))
-    labels = [f"{r['engine'].split(' (')[0]}\n{r['launcher'].split(' (')[0]}\n{r['layout']}"
+    fig, ax = plt.subplots(figsize=(8, 5))
+    labels = [f"{r['engine'].split(' (')[0]}, {r['launcher'].replace(' (', ', ').rstrip(')')}, "
+              f"{r['layout']}"
               for r in ok]
-    ax.bar(range(len(ok)), [r["iteration_ms"] for r in ok],
-           color=["tab:blue" if "MPICH" in r["engine"] else "tab:orange" for r in ok])
-    ax.set_xticks(range(len(ok)))
-    ax.set_xticklabels(labels, fontsize=6)
-    ax.set_ylabel("iteration ms (median)")
+    y = list(range(len(ok)))[::-1]
+    ax.barh(y, [float(r["iteration_ms"]) for r in ok],
+            color=["tab:blue" if "MPICH" in r["engine"] else "tab:orange" for r in ok])
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.set_xlabel("iteration ms (median over the rounds)")
     ax.set_title("cifar10_quick HYBRID on the lab (2 nodes, 1 Gbit/s): engines and launchers",
                  fontsize=9)
     fig.tight_layout()
@@ -439,7 +441,13 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3,
                     help="Runs of every cell, in rounds (each round hydra first): medians.")
+    ap.add_argument("--plot", action="store_true",
+                    help="Only draw results/cluster_engines.png from the CSV.")
     args = ap.parse_args()
+    if args.plot:
+        with open(RESULTS / "cluster_engines.csv", newline="") as f:
+            plot([r for r in csv.DictReader(f) if r["kind"] == "training"])
+        return
     for message in (netlab.missing_privileges(), netlab_slurm.missing_programs(),
                     None if OPENMPI_PYTHON.exists() else
                     "no Open MPI venv: make .venv-openmpi/.installed"):
