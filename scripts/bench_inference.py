@@ -385,6 +385,37 @@ def openblas_cores():
     return found
 
 
+AVX512_CORES = ("SkylakeX", "Cooperlake", "SapphireRapids")
+_OPENCV_BLAS = []
+
+
+def opencv_blas_fix():
+    """({variable: value}, sentence) for OpenCV's worker: the opencv-python wheels bundle an
+    OpenBLAS of their own (0.3.15 in 4.x wheels), which takes an AVX-512 CPU it does not know
+    for an old core (Prescott on an Ice Lake server); OPENBLAS_CORETYPE=SkylakeX then gives it
+    its AVX-512 kernels, as NumPy's OpenBLAS has them. Nothing where the user set
+    OPENBLAS_CORETYPE or the host has no AVX-512. Asked once, in a process of its own."""
+    if _OPENCV_BLAS:
+        return _OPENCV_BLAS[0]
+    fix, said = {}, ""
+    if "OPENBLAS_CORETYPE" not in os.environ and host_isa() == "AVX-512":
+        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import cv2, bench_inference "
+                "as b; print(json.dumps(b.openblas_cores()))")
+        got = subprocess.run([sys.executable, "-c", code, str(ROOT / "scripts")],
+                             capture_output=True, text=True)
+        try:
+            cores = json.loads(got.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            cores = {}
+        old = sorted({c for c in cores.values() if c not in AVX512_CORES})
+        if old:
+            fix = {"OPENBLAS_CORETYPE": "SkylakeX"}
+            said = (f"OPENBLAS_CORETYPE=SkylakeX set for OpenCV (its bundled OpenBLAS took this "
+                    f"CPU for {', '.join(old)})")
+    _OPENCV_BLAS.append((fix, said))
+    return fix, said
+
+
 class CaffeparTool:
     def __init__(self, spec):
         sys.path.insert(0, str(ROOT))
@@ -393,10 +424,10 @@ class CaffeparTool:
         self.net = caffe.Net(spec["model"], spec["weights"], caffe.TEST)
         k = native.kernels(np.float32)
         self.isa = (f"kernels {({64: 'AVX-512', 32: 'AVX2', 16: 'SSE'}).get(k.vector_bytes)}"
-                    if k is not None else "NumPy kernels")
+                    if k is not None else "NumPy kernels (no compiled kernels: not its speed)")
         cores = openblas_cores()
         if cores:
-            self.isa += "; OpenBLAS " + ", ".join(sorted(set(cores.values())))
+            self.isa += ", OpenBLAS " + ", ".join(sorted(set(cores.values())))
         self.outputs = list(self.net.outputs)
 
     def set_input(self, feeds):
@@ -431,6 +462,11 @@ class OpenCVTool:
         self.isa = (f"OpenCV {cv2.__version__}, code dispatched at run time for "
                     f"{' '.join(dispatched) or 'none'}; this CPU runs "
                     f"{usable[-1] if usable else 'the baseline'} and below")
+        cores = openblas_cores()
+        if cores:
+            self.isa += "; OpenBLAS in its process: " + ", ".join(sorted(set(cores.values())))
+        if spec.get("opencv_blas"):
+            self.isa += f" ({spec['opencv_blas']})"
 
     def set_input(self, feeds):
         for name, value in feeds.items():
@@ -636,8 +672,9 @@ def run_net(net, model, args, scratch):
     plain = Worker("caffepar", spec, dict(env, CAFFEPAR_INFERENCE="off"))
     answer = plain.ask(cmd="dump", batch=1, path=str(work / "plain.npz"), all_blobs=True)
     plain.close()
+    fix, spec["opencv_blas"] = opencv_blas_fix()
     workers = {"caffepar": Worker("caffepar", spec, env),
-               "opencv": Worker("opencv", spec, peers_env)}
+               "opencv": Worker("opencv", spec, dict(peers_env, **fix))}
     if "onnx_error" in spec:
         row["onnx_check"] = "export refuses: " + spec["onnx_error"]
     else:
@@ -734,9 +771,11 @@ def gemm_rates(scratch):
         return {}
     spec["threads"] = 1
     rates = {}
+    fix, spec["opencv_blas"] = opencv_blas_fix()
     for tool in TOOLS:
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
         w = Worker(tool, dict(spec, inputs={"x": [1024, 1024]}),
-                   dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1"))
+                   dict(env, **fix) if tool == "opencv" else env)
         got = w.ask(cmd="time", batch=1024, min_runs=10, budget=1.0, max_runs=200)
         w.close()
         if "times" in got:
@@ -930,7 +969,8 @@ def main():
     ap.add_argument("--fetch", action="store_true", help="download the missing nets first")
     ap.add_argument("--only", nargs="*", default=None, metavar="NET",
                     help="these nets only: " + ", ".join(BY_KEY))
-    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per net")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per net (0: the "
+                    "correctness checks only)")
     ap.add_argument("--runs", type=int, default=15, help="batch-1 forwards per tool and round "
                     "at least")
     ap.add_argument("--budget", type=float, default=2.0,
@@ -940,7 +980,7 @@ def main():
     ap.add_argument("--batch-budget", type=float, default=3.0,
                     help="seconds of throughput-batch forwards per tool and round at least")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-blob-gib", type=float, default=6.0,
+    ap.add_argument("--max-blob-gib", type=float, default=8.0,
                     help="a net whose caffepar blobs at batch 32 would pass this runs its "
                          "throughput at the largest power-of-2 batch within it")
     ap.add_argument("--out", default=None,
@@ -968,7 +1008,9 @@ def main():
         os.environ["CAFFEPAR_CACHE_DIR"] = str(fresh)
     try:
         old = [] if args.fresh else read_rows(out.with_suffix(".csv"))
-        done = {r["net"] for r in old} - set(args.redo)
+        # A row without a batch-1 time (a --rounds 0 run: checks only) is measured again.
+        done = {r["net"] for r in old if not np.isnan(r.get("caffepar_ms", np.nan))} - \
+            set(args.redo)
         info = {"cpu": f"{cpu_name()} [{cpu_key()}]", "threads": args.threads,
                 "rounds": args.rounds}
         print(f"{info['cpu']}; {args.threads} threads per tool; nets from {folder}; "
