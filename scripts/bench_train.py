@@ -5,8 +5,20 @@ alternating rounds in one run, written under the CPU's name: results/cpu_speed_<
 when the kernels are built for less than the host has (CAFFEPAR_CFLAGS=-march=haswell on an
 AVX-512 host: the AVX2 result until a real AVX2 host is met).
 
-    python scripts/bench_train.py [--nets cifar10_quick,alexnet,vgg16] [--rounds 3]
-                                  [--caffe PATH/TO/caffe] [--out results/cpu_speed_<cpu>]
+    python scripts/bench_train.py [--nets cifar10_quick,alexnet,vgg16,mobilenet_v2,shufflenet_v2]
+                                  [--rounds 3] [--caffe PATH/TO/caffe] [--nets-dir DIR]
+                                  [--out results/cpu_speed_<cpu>]
+
+The bundled nets train from models/<net>/train_val_dummy.prototxt. MobileNet v2 and ShuffleNet
+v2 (batch 16) train from the published deploy prototxts that scripts/bench_inference.py keeps
+outside the repository (--nets-dir, default $CAFFEPAR_CACHE_DIR/published_nets; its --fetch
+downloads them), made into training nets at run time (DummyData in place of the input,
+SoftmaxWithLoss in place of the final Softmax, BatchNorm on batch statistics); PyTorch runs the
+same graph, one module per layer, and BVLC Caffe the same net with its depthwise layers as
+grouped Convolution (it has no ShuffleChannel: ShuffleNet v2 gets no Caffe figure, and the
+results say why). Where Caffe's OpenBLAS takes this AVX-512 CPU for an older core (Debian's
+0.3.21 on some Xeons) and OPENBLAS_CORETYPE is not set, Caffe runs with
+OPENBLAS_CORETYPE=SkylakeX, and the results say so.
 
 Per net, each round runs in turn:
 - training iterations (forward + backward + SGD update) of caffepar and of the same
