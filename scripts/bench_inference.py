@@ -17,7 +17,9 @@ all three tools read. Random weights are the prototxt's fillers (MSRA, std sqrt(
 for a Convolution, Deconvolution or InnerProduct that names none, whose default of 0 would make
 the net compute zeros), BatchNorm statistics of mean 0 and variance 1 (the forks' BN alike), and
 each detector's class-score convolutions (*_mbox_conf) times the net's `conf_gain`, so that
-some scores pass the DetectionOutput's threshold.
+some scores pass the DetectionOutput's threshold, and a classifier's last Convolution or
+InnerProduct scaled to scores of standard deviation 1 (random weights through a deep net make
+a final Softmax exactly one-hot, and every tool's output the same whatever it computed).
 
 Per net, each tool runs in a process of its own (`--worker`), all three loaded at once and run
 one at a time: in each of --rounds rounds, every tool in turn (the order rotating) times batch 1
@@ -219,9 +221,38 @@ def random_weights(model, weights, conf_gain=1.0, seed=1):
             blobs[2].data[...], blobs[3].data[...] = 0, 1
         if layer.type in CONV_TYPES and name.endswith("mbox_conf") and blobs:
             blobs[0].data[...] *= conf_gain
+    calm_classifier(net)
     net.save(str(weights))
     first = net.blobs[net.inputs[0]].shape[0] if net.inputs else 1
     return sum(b.data.nbytes for b in net.blobs.values()) / max(first, 1)
+
+
+def calm_classifier(net):
+    """Scale the classifier (the Convolution or InnerProduct whose top a final Softmax reads)
+    so that its scores have a standard deviation of 1 on the benchmark's input: random weights
+    through a deep net give scores in the hundreds, whose softmax is exactly one-hot, and
+    outputs that agree whatever the tools computed before it."""
+    writer = {}
+    for i, tops in enumerate(net.top_ids):
+        for t in tops:
+            writer[t] = i
+    names = list(net.blobs)
+    for out in net.outputs:
+        i = writer.get(names.index(out))
+        if i is None or net.layers[i].type != "Softmax":
+            continue
+        scores = net.bottom_ids[i][0]
+        j = writer.get(scores)
+        if j is None or net.layers[j].type not in CONV_TYPES:
+            continue
+        shapes = {n: net.blobs[n].data.shape for n in net.inputs}
+        for n, x in make_inputs(shapes, shapes[net.inputs[0]][0]).items():
+            net.blobs[n].data[...] = x
+        net.forward()
+        spread = float(np.std(net.blobs[names[scores]].data))
+        if spread > 0 and np.isfinite(spread):
+            for b in net.params[net._layer_names[j]]:
+                b.data[...] /= spread
 
 
 def make_inputs(shapes, batch, seed=7):
