@@ -391,8 +391,12 @@ class Worker:
 
 
 def _first_line(e):
-    text = str(e).strip().splitlines()
-    return (text[-1] if text else type(e).__name__).strip()[:240]
+    """The line of an exception's text that says what went wrong (OpenCV's messages run over
+    several lines, the reason on the one with "error:")."""
+    text = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    said = [line[1:].strip() for line in text if line.startswith(">")] + \
+        [line.split("error:", 1)[1].strip() for line in text if "error:" in line]
+    return (said[0] if said else text[-1] if text else type(e).__name__)[:240]
 
 
 def openblas_cores():
