@@ -48,6 +48,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -853,6 +854,11 @@ def _fmt(v, digits=2):
     return "" if v is None else str(v)
 
 
+def _bold(v):
+    text = _fmt(v)
+    return f"**{text}**" if text else ""
+
+
 def merged(old, new):
     """Old rows with this run's rows in their place, in NETS' order."""
     by = {r["net"]: r for r in old}
@@ -899,6 +905,7 @@ def write_results(out, rows, info):
         f"the 1-minute load average of its own run (loaded: other jobs shared the cores; "
         f"ratios from alternating rounds, absolute times noisy).",
         "",
+    ] + ([info["note"], ""] if info.get("note") else []) + [
         "Batch 1: median latency of `net.forward()` (caffepar), `net.forward()` on the same "
         "prototxt and caffemodel (OpenCV dnn, its own CPU backend) and `session.run` on "
         "caffepar's ONNX export (onnxruntime, CPU provider). Ratio = caffepar's time / the "
@@ -913,11 +920,11 @@ def write_results(out, rows, info):
     for r in rows:
         lines.append(
             f"| {r['label']} | {_fmt(r.get('caffepar_ms'), 1)} | {_fmt(r.get('opencv_ms'), 1)} "
-            f"| {_fmt(r.get('ort_ms'), 1)} | **{_fmt(r.get('lat_vs_opencv'))}** | "
-            f"**{_fmt(r.get('lat_vs_ort'))}** | {_fmt(r.get('throughput_batch'), 0)} | "
+            f"| {_fmt(r.get('ort_ms'), 1)} | {_bold(r.get('lat_vs_opencv'))} | "
+            f"{_bold(r.get('lat_vs_ort'))} | {_fmt(r.get('throughput_batch'), 0)} | "
             f"{_fmt(r.get('caffepar_ips'), 1)} | {_fmt(r.get('opencv_ips'), 1)} | "
-            f"{_fmt(r.get('ort_ips'), 1)} | **{_fmt(r.get('thr_vs_opencv'))}** | "
-            f"**{_fmt(r.get('thr_vs_ort'))}** |")
+            f"{_fmt(r.get('ort_ips'), 1)} | {_bold(r.get('thr_vs_opencv'))} | "
+            f"{_bold(r.get('thr_vs_ort'))} |")
     lines += ["", "Goals (issue 34): batch-1 latency at most 1.0x OpenCV on every net, at most "
               "1.0x onnxruntime on ResNet-50 and GoogLeNet and 1.5x on the mobile nets; "
               "batch-32 throughput at least OpenCV's.", ""]
@@ -1021,12 +1028,16 @@ def main():
     ap.add_argument("--out", default=None,
                     help="OUT.csv/.md/.png (default: results/inference_<cpu>)")
     ap.add_argument("--fresh", action="store_true", help="measure every net again")
+    ap.add_argument("--note", default="", help="a sentence for the results' header (e.g. how "
+                    "the run was made)")
     ap.add_argument("--redo", nargs="*", default=(), metavar="NET",
                     help="measure these nets again, keep the others' rows")
     ap.add_argument("--keep-engines", action="store_true",
                     help="use the convolution engines measured earlier on this machine (by "
                          "default they are measured afresh, in a temporary cache)")
     args = ap.parse_args()
+    # Stopped with SIGTERM (a long run on a shared machine): clean up as on Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     folder = nets_dir(args.nets_dir)
     chosen = [BY_KEY[k] for k in args.only] if args.only else NETS
     if args.fetch:
@@ -1047,7 +1058,7 @@ def main():
         done = {r["net"] for r in old if not np.isnan(r.get("caffepar_ms", np.nan))} - \
             set(args.redo)
         info = {"cpu": f"{cpu_name()} [{cpu_key()}]", "threads": args.threads,
-                "rounds": args.rounds}
+                "rounds": args.rounds, "note": args.note}
         print(f"{info['cpu']}; {args.threads} threads per tool; nets from {folder}; "
               f"load average {os.getloadavg()[0]:.2f}", flush=True)
         new = []

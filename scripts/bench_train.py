@@ -40,6 +40,7 @@ import gc
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -469,6 +470,8 @@ def main():
                     help="use the convolution engines measured earlier on this machine (by "
                          "default they are measured afresh, in a temporary cache)")
     args = ap.parse_args()
+    # Stopped with SIGTERM (a long run on a shared machine): clean up as on Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from bench_inference import nets_dir
     published = nets_dir(args.nets_dir)
     made = tempfile.mkdtemp(prefix="caffepar-bench-nets-")
