@@ -13,12 +13,24 @@ def set_mode_cpu():
 
 
 def set_mode_gpu():
-    import warnings
-    warnings.warn("caffepar computes on the CPU; set_mode_gpu() is ignored", stacklevel=2)
+    warn_caller("caffepar computes on the CPU; set_mode_gpu() is ignored")
 
 
 def set_device(device_id):
-    set_mode_gpu()
+    warn_caller(f"caffepar computes on the CPU; set_device({device_id!r}) is ignored")
+
+
+def warn_caller(message, category=UserWarning):
+    """warnings.warn naming the first line outside caffepar: the script's call, wherever in
+    caffepar the warning is decided."""
+    import warnings
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def set_random_seed(seed):
