@@ -1,5 +1,5 @@
-"""Process-wide settings: those pycaffe scripts expect (compute mode, the random seed), and
-the environment variables caffepar reads as it runs (``env``)."""
+"""Process-wide settings: those pycaffe scripts expect (compute mode, the random seed, the
+solver count and rank), and the environment variables caffepar reads as it runs (``env``)."""
 import os
 import sys
 
@@ -18,6 +18,41 @@ def set_mode_gpu():
 
 def set_device(device_id):
     warn_caller(f"caffepar computes on the CPU; set_device({device_id!r}) is ignored")
+
+
+_solvers = {"count": 1, "rank": 0}
+
+
+def solver_count():
+    return _solvers["count"]
+
+
+def set_solver_count(count):
+    """Recorded and read back, as in pycaffe, where it tells Caffe how many GPU solvers NCCL
+    joins. A pycaffe process here trains as one solver: more than one is warned about."""
+    count = int(count)
+    if count < 1:
+        raise ValueError(f"solver count must be at least 1, got {count}")
+    if count > 1:
+        warn_caller(f"set_solver_count({count}): a pycaffe process trains as one solver in "
+                    f"caffepar; train data-parallel with `caffepar train --np {count}` (MPI)")
+    _solvers["count"] = count
+
+
+def solver_rank():
+    return _solvers["rank"]
+
+
+def set_solver_rank(rank):
+    rank = int(rank)
+    if rank < 0:
+        raise ValueError(f"solver rank must be at least 0, got {rank}")
+    _solvers["rank"] = rank
+
+
+def set_multiprocess(flag):
+    """Kept so pycaffe scripts run: it tells Caffe that each GPU solver is a process of its
+    own, and a pycaffe process here is one solver."""
 
 
 def warn_caller(message, category=UserWarning):
