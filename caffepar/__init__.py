@@ -1,8 +1,8 @@
 """caffepar: Caffe-compatible training in Python. `import caffepar as caffe` gives pycaffe's API.
 
-Unless a real Caffe is installed, importing caffepar also makes `caffe` (and caffe.proto,
-caffe.draw, ...) name caffepar's modules, so `from caffe import layers as L` and Python layer
-modules that `import caffe` work unchanged."""
+Unless a real pycaffe is installed (see _caffepar_caffe), `import caffe` gives caffepar too, and
+caffe.proto, caffe.io, caffe._caffe, ... name caffepar's modules, so pycaffe scripts and Python
+layer modules run unchanged."""
 __version__ = "0.1.0"
 from caffepar import _signals
 _signals.hold()     # the command notes signals until it can act on them (see _signals)

@@ -140,40 +140,23 @@ class NCCL:
         raise CaffeparError(NCCL.MESSAGE)
 
 
-# pycaffe's modules, by the name scripts import them under.
-_CAFFE_MODULES = {
-    "caffe": "caffepar",
-    "caffe.proto": "caffepar.proto",
-    "caffe.proto.caffe_pb2": "caffepar.proto.caffe_pb2",
-    "caffe.pycaffe": "caffepar.pycaffe",
-    "caffe.io": "caffepar.io",
-    "caffe.net_spec": "caffepar.net_spec",
-    "caffe.draw": "caffepar.draw",
-    "caffe.coord_map": "caffepar.coord_map",
-    "caffe.classifier": "caffepar.classifier",
-    "caffe.detector": "caffepar.detector",
-    "caffe._caffe": "caffepar._caffe",
-}
-
-
 def real_caffe_installed():
-    """True when `import caffe` would find a module of its own (a namespace folder named
-    caffe, such as a Caffe checkout's root, does not count)."""
-    import importlib.util
-    current = sys.modules.get("caffe")
-    if current is not None:
-        return getattr(current, "__name__", None) != "caffepar"
-    spec = importlib.util.find_spec("caffe")
-    return spec is not None and spec.origin not in (None, "namespace")
+    """True when `import caffe` gives a real pycaffe (a caffe package with its compiled
+    _caffe), or a module named caffe that is not caffepar was imported already."""
+    import _caffepar_caffe
+    if "caffe" in sys.modules:
+        return not _caffepar_caffe.aliased()
+    return _caffepar_caffe.real_caffe_spec() is not None
 
 
 def install_as_caffe():
     """Make `import caffe` (and caffe.proto.caffe_pb2, caffe.draw, ...) give caffepar's
-    modules in this process, for code written against pycaffe. Refused when a real Caffe is
-    already imported."""
-    import importlib
+    modules in this process, for code written against pycaffe. Refused when a module named
+    caffe is already imported."""
+    import caffepar
+    import _caffepar_caffe
     current = sys.modules.get("caffe")
-    if current is not None and getattr(current, "__name__", None) != "caffepar":
+    if current is not None and current is not caffepar:
         raise ImportError(f"a module named caffe is already imported ({current!r})")
-    for alias, name in _CAFFE_MODULES.items():
-        sys.modules[alias] = importlib.import_module(name)
+    sys.modules["caffe"] = caffepar
+    _caffepar_caffe.install()
