@@ -1,5 +1,5 @@
-"""Process-wide settings: those pycaffe scripts expect (compute mode, the random seed), and
-the environment variables caffepar reads as it runs (``env``)."""
+"""Process-wide settings: those pycaffe scripts expect (compute mode, the random seed, the
+solver count and rank), and the environment variables caffepar reads as it runs (``env``)."""
 import os
 import sys
 
@@ -13,12 +13,59 @@ def set_mode_cpu():
 
 
 def set_mode_gpu():
-    import warnings
-    warnings.warn("caffepar computes on the CPU; set_mode_gpu() is ignored", stacklevel=2)
+    warn_caller("caffepar computes on the CPU; set_mode_gpu() is ignored")
 
 
 def set_device(device_id):
-    set_mode_gpu()
+    warn_caller(f"caffepar computes on the CPU; set_device({device_id!r}) is ignored")
+
+
+_solvers = {"count": 1, "rank": 0}
+
+
+def solver_count():
+    return _solvers["count"]
+
+
+def set_solver_count(count):
+    """Recorded and read back, as in pycaffe, where it tells Caffe how many GPU solvers NCCL
+    joins. A pycaffe process here trains as one solver: more than one is warned about."""
+    count = int(count)
+    if count < 1:
+        raise ValueError(f"solver count must be at least 1, got {count}")
+    if count > 1:
+        warn_caller(f"set_solver_count({count}): a pycaffe process trains as one solver in "
+                    f"caffepar; train data-parallel with `caffepar train --np {count}` (MPI)")
+    _solvers["count"] = count
+
+
+def solver_rank():
+    return _solvers["rank"]
+
+
+def set_solver_rank(rank):
+    rank = int(rank)
+    if rank < 0:
+        raise ValueError(f"solver rank must be at least 0, got {rank}")
+    _solvers["rank"] = rank
+
+
+def set_multiprocess(flag):
+    """Kept so pycaffe scripts run: it tells Caffe that each GPU solver is a process of its
+    own, and a pycaffe process here is one solver."""
+
+
+def warn_caller(message, category=UserWarning):
+    """warnings.warn naming the first line outside caffepar: the script's call, wherever in
+    caffepar the warning is decided."""
+    import warnings
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def set_random_seed(seed):

@@ -4,11 +4,12 @@ The net API itself (blobs, params, forward/backward, forward_all, set_input_arra
 caffepar.graph.net.Net, so nets a solver makes have it too; this module adds pycaffe's
 constructor forms and the names pycaffe exports."""
 import sys
+import time
 
 import numpy as np
 
 from caffepar import common
-from caffepar.errors import NetError
+from caffepar.errors import CaffeparError, NetError
 from caffepar.graph import net as _net
 from caffepar.nn.python_layer import PythonLayerBase as Layer
 from caffepar.solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,
@@ -20,11 +21,17 @@ set_mode_cpu = common.set_mode_cpu
 set_mode_gpu = common.set_mode_gpu
 set_device = common.set_device
 set_random_seed = common.set_random_seed
+solver_count = common.solver_count
+set_solver_count = common.set_solver_count
+solver_rank = common.solver_rank
+set_solver_rank = common.set_solver_rank
+set_multiprocess = common.set_multiprocess
 
 __all__ = ["Net", "Layer", "TRAIN", "TEST", "Solver", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver",
            "layer_type_list", "set_mode_cpu", "set_mode_gpu", "set_device", "set_random_seed",
-           "install_as_caffe"]
+           "init_log", "log", "Timer", "NCCL", "has_nccl", "solver_count", "set_solver_count",
+           "solver_rank", "set_solver_rank", "set_multiprocess", "install_as_caffe"]
 
 
 class _NetType(type):
@@ -66,39 +73,90 @@ def layer_type_list():
     return sorted(LAYERS)
 
 
-# pycaffe's modules, by the name scripts import them under.
-_CAFFE_MODULES = {
-    "caffe": "caffepar",
-    "caffe.proto": "caffepar.proto",
-    "caffe.proto.caffe_pb2": "caffepar.proto.caffe_pb2",
-    "caffe.pycaffe": "caffepar.pycaffe",
-    "caffe.io": "caffepar.io",
-    "caffe.net_spec": "caffepar.net_spec",
-    "caffe.draw": "caffepar.draw",
-    "caffe.coord_map": "caffepar.coord_map",
-    "caffe.classifier": "caffepar.classifier",
-    "caffe.detector": "caffepar.detector",
-}
+def init_log(level=None, stderr=True):
+    """pycaffe's init_log([level[, stderr]]): caffepar's log, glog-formatted, on stderr from
+    `level` up (0 INFO, 1 WARNING, 2 ERROR, 3 FATAL: glog's minloglevel, by default its
+    GLOG_minloglevel variable, else 0). glog writes to files in its log folder unless told
+    stderr; caffepar writes to stderr either way."""
+    import logging
+    from caffepar.logs import LOGGER, setup_logging
+    levels = (logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL)
+    if level is None:
+        level = common.env("GLOG_minloglevel", "0")
+    if str(level).strip() not in ("0", "1", "2", "3"):
+        raise ValueError(f"log level must be 0 (INFO) to 3 (FATAL), got {level!r}")
+    setup_logging()
+    LOGGER.setLevel(levels[int(level)])
+
+
+def log(message):
+    """pycaffe's log(s): one INFO line of caffepar's log naming the caller's file and line; on
+    stderr before any init_log, as glog's lines are before InitGoogleLogging."""
+    from caffepar.logs import LOGGER
+    if not LOGGER.handlers:
+        init_log()
+    LOGGER.info("%s", message, stacklevel=2)
+
+
+class Timer:
+    """pycaffe's Timer: start(), stop(), and `ms`, the milliseconds from the last start to the
+    last stop (reading `ms` stops a running timer, as Caffe's does)."""
+
+    def __init__(self):
+        self._start = self._stop = None
+
+    def start(self):
+        self._start, self._stop = time.perf_counter(), None
+
+    def stop(self):
+        if self._start is not None and self._stop is None:
+            self._stop = time.perf_counter()
+
+    @property
+    def ms(self):
+        if self._start is None:
+            return 0.0
+        self.stop()
+        return (self._stop - self._start) * 1e3
+
+
+def has_nccl():
+    """False: caffepar computes on CPUs, and reduces gradients over MPI, not NCCL."""
+    return False
+
+
+class NCCL:
+    """pycaffe's multi-GPU gradient reduction. caffepar has no GPUs: data-parallel training is
+    `caffepar train --np N` (MPI). Every use says so."""
+
+    MESSAGE = ("caffe.NCCL is multi-GPU training, which caffepar does not have (caffe.has_nccl() "
+               "is False); train data-parallel with `caffepar train --solver S --np N` (MPI)")
+
+    def __init__(self, *args, **kwargs):
+        raise CaffeparError(self.MESSAGE)
+
+    @staticmethod
+    def new_uid():
+        raise CaffeparError(NCCL.MESSAGE)
 
 
 def real_caffe_installed():
-    """True when `import caffe` would find a module of its own (a namespace folder named
-    caffe, such as a Caffe checkout's root, does not count)."""
-    import importlib.util
-    current = sys.modules.get("caffe")
-    if current is not None:
-        return getattr(current, "__name__", None) != "caffepar"
-    spec = importlib.util.find_spec("caffe")
-    return spec is not None and spec.origin not in (None, "namespace")
+    """True when `import caffe` gives a real pycaffe (a caffe package with its compiled
+    _caffe), or a module named caffe that is not caffepar was imported already."""
+    import _caffepar_caffe
+    if "caffe" in sys.modules:
+        return not _caffepar_caffe.aliased()
+    return _caffepar_caffe.real_caffe_spec() is not None
 
 
 def install_as_caffe():
     """Make `import caffe` (and caffe.proto.caffe_pb2, caffe.draw, ...) give caffepar's
-    modules in this process, for code written against pycaffe. Refused when a real Caffe is
-    already imported."""
-    import importlib
+    modules in this process, for code written against pycaffe. Refused when a module named
+    caffe is already imported."""
+    import caffepar
+    import _caffepar_caffe
     current = sys.modules.get("caffe")
-    if current is not None and getattr(current, "__name__", None) != "caffepar":
+    if current is not None and current is not caffepar:
         raise ImportError(f"a module named caffe is already imported ({current!r})")
-    for alias, name in _CAFFE_MODULES.items():
-        sys.modules[alias] = importlib.import_module(name)
+    sys.modules["caffe"] = caffepar
+    _caffepar_caffe.install()
