@@ -29,7 +29,8 @@ import time
 import click
 
 from caffepar.errors import CaffeparError
-from caffepar.parallel.launch import JOB_DIR_VAR, Job, find_mpiexec
+from caffepar.parallel.launch import Job, find_mpiexec
+from caffepar.parallel.ranks import JOB_DIR_VAR
 
 SUBNET = ipaddress.ip_network("198.18.0.0/24")
 HUB_ADDRESS = SUBNET[1]

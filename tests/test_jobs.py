@@ -16,7 +16,8 @@ import h5py
 import numpy as np
 import pytest
 
-from caffepar.parallel.launch import find_mpiexec, process_alive
+from caffepar.parallel.launch import find_mpiexec
+from caffepar.parallel.ranks import process_alive
 
 HERE = Path(__file__).resolve().parent
 pytestmark = [pytest.mark.skipif(find_mpiexec() is None, reason="no mpiexec installed"),
@@ -586,3 +587,26 @@ def test_rank_that_vanished_first_is_blamed_not_the_one_whose_mpi_failed(tmp_pat
     assert job._report() == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("[rank 1] caffepar: ended before the job finished")
+
+
+def test_parallel_package_imports_have_no_circle():
+    """Every import between caffepar.parallel's modules (also those inside functions) points one
+    way: the package reads top-down (ranks.py under both launch.py and comm.py)."""
+    import ast
+    folder = HERE.parent / "caffepar" / "parallel"
+    graph = {}
+    for path in folder.glob("*.py"):
+        mine = graph.setdefault(path.stem, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            mine.update(n.split(".")[2] for n in names
+                        if n.startswith("caffepar.parallel.") and n.count(".") >= 2)
+
+    def reaches(start, goal, seen=()):
+        return any(m == goal or (m not in seen and reaches(m, goal, seen + (m,)))
+                   for m in graph.get(start, ()))
+    circles = sorted(m for m in graph if reaches(m, m))
+    assert not circles, f"modules on an import circle: {circles}"
+    assert {"launch", "comm"} & graph["ranks"] == set() and "ranks" in graph["comm"] & \
+        graph["launch"]

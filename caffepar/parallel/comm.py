@@ -18,6 +18,9 @@ from collections import defaultdict, deque
 
 import numpy as np
 
+from caffepar.parallel.ranks import (LAUNCHER_VAR, abort_all, mpi_failure, process_alive,
+                                     stuck_file)
+
 
 class CommStats:
     """Seconds, bytes and calls per (layer, operation); `take()` returns and resets them."""
@@ -595,7 +598,6 @@ class Watchdog:
 
     def __init__(self, comm, timeout=None):
         import threading
-        from caffepar.parallel.launch import LAUNCHER_VAR
         self.comm = comm
         self.timeout = None if timeout is None else float(timeout)
         self.MPI = comm.MPI
@@ -632,7 +634,6 @@ class Watchdog:
             faulthandler.cancel_dump_traceback_later()
             return
         if self.stuck_file is None:
-            from caffepar.parallel.launch import stuck_file
             self.stuck_file = stuck_file(self.comm)
         faulthandler.dump_traceback_later(limit + self.GRACE, exit=True, file=self.stuck_file)
 
@@ -670,7 +671,6 @@ class Watchdog:
         return time.monotonic() - since
 
     def _check_parents(self):
-        from caffepar.parallel.launch import process_alive
         if self.orphaned:
             return
         if os.getppid() != self.parent:
@@ -773,25 +773,7 @@ class Watchdog:
         return request
 
     def _end_job(self, line):
-        from caffepar.parallel.launch import abort_all
         abort_all(self.comm, line, hard=bool(self.orphaned))
-
-
-#: How a rank reports an MPI call that failed: most often the consequence of another rank, or
-#: the link to it, gone (the launcher then names that rank instead).
-MPI_FAILED = "caffepar: MPI failed"
-
-
-def mpi_failure(error):
-    """One line for an exception of mpi4py (its text is MPICH's whole error stack), or None."""
-    if type(error).__module__ != "mpi4py.MPI" or not hasattr(error, "Get_error_class"):
-        return None
-    try:
-        from mpi4py import MPI
-        what = MPI.Get_error_string(error.Get_error_class())
-    except Exception:           # noqa: BLE001 - the line must come out whatever MPI's state
-        what = str(error).partition("\n")[0].split(", error stack")[0]
-    return f"{MPI_FAILED} ({what}): another rank, or the link to it, is gone?"
 
 
 _LAUNCH_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",
