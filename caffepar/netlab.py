@@ -23,13 +23,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import click
 
 from caffepar.errors import CaffeparError
-from caffepar.parallel.launch import Job, find_mpiexec
+from caffepar.parallel.launch import Job, find_mpiexec, job_folder, remove_stale_job_folders
 from caffepar.parallel.ranks import JOB_DIR_VAR
 
 SUBNET = ipaddress.ip_network("198.18.0.0/24")
@@ -247,7 +246,8 @@ def set_link(lab, node, state):
 
 def down(name):
     """Remove lab `name`: end the processes left in its nodes, delete its namespaces (their
-    links and bridge go with them) and its state. Returns the namespaces removed."""
+    links and bridge go with them) and its state, and the job folders of launchers that were
+    killed. Returns the namespaces removed."""
     namespaces = lab_namespaces(name)
     for ns in namespaces:
         for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
@@ -258,6 +258,7 @@ def down(name):
     for ns in namespaces:
         _run("ip", "netns", "del", ns, check=False)
     shutil.rmtree(os.path.join(state_dir(), name), ignore_errors=True)
+    remove_stale_job_folders()
     return namespaces
 
 
@@ -337,7 +338,7 @@ def run_job(lab, argv, threads=1, mpiexec=None, ranks=None):
     reported once, signals forwarded); the exit status a one-process run would have had."""
     ranks = ranks or lab.nodes * lab.ranks_per_node
     env = rank_environment(threads)
-    folder = tempfile.mkdtemp(prefix="caffepar-job-")
+    folder = job_folder()
     env[JOB_DIR_VAR] = folder
     cmd = mpiexec_command(lab, ranks, [sys.executable, "-m", "caffepar.cli"] + list(argv),
                           mpiexec)
@@ -364,7 +365,7 @@ class LabJob(Job):
         self.failed_at = None
 
     def _forward(self, signum, frame):
-        self.received.append(signum)
+        self._note(signum)
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.kill(self.proc.pid, signum)
@@ -376,7 +377,7 @@ class LabJob(Job):
         if self.proc.poll() is not None:
             return
         if self.failed_at is None:
-            if any(code for code, _line in self._ends().values()):
+            if any(code for code, _line in self._all_ends().values()):
                 self.failed_at = time.monotonic()
         elif time.monotonic() - self.failed_at > self.GRACE:
             try:
@@ -384,10 +385,10 @@ class LabJob(Job):
             except ProcessLookupError:
                 pass
 
-    def _ends(self):
+    def _ends(self, kind="end"):
         node = lambda m: f"{m.group(0)} (node{int(m.group(1)) // self.ranks_per_node})"
         out = {}
-        for rank, (code, line) in super()._ends().items():
+        for rank, (code, line) in super()._ends(kind).items():
             head, sep, text = line.partition("] ")
             if sep and head.startswith("[rank") and not re.search(r"\bnode\d", text):
                 line = head + sep + re.sub(r"\brank (\d+)\b", node, text)

@@ -577,9 +577,10 @@ class Watchdog:
       seconds. A late rank that says it is writing a snapshot is waited for (up to BUSY_MAX).
     - This rank's parent (the process manager's proxy) or caffepar's launcher has died: the job
       cannot end normally; the rank is asked to stop (a snapshot, as SIGTERM).
-    - This rank was asked to stop but is still running GRACE seconds later (or 3 times its
-      longest computation between collectives), not writing a snapshot: blocked in a collective
-      or a hung layer. It ends at once, naming the rank the job waits for.
+    - This rank was asked to stop but is still running STOP_GRACE seconds later (or 3 times
+      its longest computation between collectives), not writing a snapshot: blocked in a
+      collective or a hung layer. It ends at once, naming the rank the job waits for (within
+      the launcher's Job.STOP_LIMIT after a SIGTERM, as a scheduler gives).
     The training thread only notes which collective it is in; the watchdog looks once a second.
 
     All of that is Python, and needs the interpreter lock: a rank stuck in compiled code that
@@ -593,6 +594,7 @@ class Watchdog:
     INTERVAL = 1.0
     FLOOR, FIRST, FACTOR = 60.0, 300.0, 20.0
     GRACE = 10.0
+    STOP_GRACE = 5.0
     BUSY_MAX = 3600.0
     QUERY, ANSWER = 7301, 7302
 
@@ -673,22 +675,31 @@ class Watchdog:
     def _check_parents(self):
         if self.orphaned:
             return
+        why = self.lost()
+        if why:
+            self.orphaned = why
+            self.comm.note_stop(why)
+            os.kill(os.getpid(), signal.SIGTERM)        # snapshot and stop, if it can
+
+    def lost(self):
+        """Why this rank cannot end normally, when its parent (the process manager's proxy, or
+        the parent that supervises it, which ends with the proxy) or caffepar's launcher has
+        died; else None. Also asked when the rank finishes: a SIGTERM sent as its parent
+        died may have stopped it before the watchdog looked."""
+        if self.orphaned:
+            return self.orphaned
         if os.getppid() != self.parent:
-            why = f"lost its process manager (parent process {self.parent} ended)"
-        elif self.launcher is not None and not process_alive(self.launcher):
-            why = "lost caffepar's launcher (it ended)"
-        else:
-            return
-        self.orphaned = why
-        self.comm.note_stop(why)
-        os.kill(os.getpid(), signal.SIGTERM)        # snapshot and stop, if it can
+            return "lost its process manager (its parent process ended)"
+        if self.launcher is not None and not process_alive(self.launcher):
+            return "lost caffepar's launcher (it ended)"
+        return None
 
     def _check_stop(self, request, query):
-        """Asked to stop GRACE seconds ago and still running: end now."""
+        """Asked to stop STOP_GRACE seconds ago and still running: end now."""
         comm = self.comm
         if comm.stop_since is None or comm.busy_with:
             return request
-        grace = max(self.GRACE, 3 * comm.longest_gap)
+        grace = max(self.STOP_GRACE, 3 * comm.longest_gap)
         if time.monotonic() - comm.stop_since < grace:
             return request
         waiting = comm.waiting
@@ -750,7 +761,7 @@ class Watchdog:
                                                            for r in late):
             self.patience = (number, time.monotonic())      # a snapshot: wait on
             return request
-        if waiters[0] != comm.rank and waited < 2 * (limit or self.GRACE):
+        if waiters[0] != comm.rank and waited < 2 * (limit or self.STOP_GRACE):
             return request                                  # the lower rank says it
         what = f"collective #{number} ({op} {tag!r})" if tag else f"collective #{number} ({op})"
         several_hosts = len(set(self.hosts)) > 1

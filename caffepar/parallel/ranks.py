@@ -3,11 +3,15 @@ how it ends the whole job when it cannot go on.
 
 Under caffepar's launcher (`--np`, `netlab run`) every rank writes into the job folder
 ($CAFFEPAR_JOB_DIR): `rank<r>.pid` when it starts, `rank<r>.end` (exit status, then the one line
-that reports it) when it ends, `rank<r>.stuck` when the watchdog's last resort ends it. The
-launcher reads them (launch.py); the communicators' watchdog ends the job through abort_all
-(comm.py). Both import this module, which imports neither.
+that reports it) when it ends, `rank<r>.stuck` when the watchdog's last resort ends it; the
+rank's supervising parent (supervise.py) writes `rank<r>.killed` (the same two lines) when the
+rank was killed by a signal.
+The launcher reads them (launch.py); the communicators' watchdog ends the job through abort_all
+(comm.py). They import this module, which imports none of them (and only the standard library:
+the supervising parent loads it before anything else).
 """
 import os
+import re
 import socket
 import sys
 import time
@@ -15,6 +19,11 @@ import time
 #: Set by caffepar's launcher for the ranks: the job folder, and the launcher's pid.
 JOB_DIR_VAR = "CAFFEPAR_JOB_DIR"
 LAUNCHER_VAR = "CAFFEPAR_LAUNCHER_PID"
+
+#: Set by the supervising parent in its rank's environment: the parent's pid, and the descriptor
+#: of the file where the rank's fatal-signal and stuck stacks go (supervise.py).
+PARENT_VAR = "CAFFEPAR_RANK_PARENT"
+NOTES_VAR = "CAFFEPAR_RANK_NOTES"
 
 #: How a rank reports an MPI call that failed: most often the consequence of another rank, or
 #: the link to it, gone (the launcher then names that rank instead).
@@ -50,12 +59,25 @@ def process_alive(pid):
         return True
 
 
-def _job_file(comm, kind):
+def supervisor_pid():
+    """The pid of this rank's supervising parent (supervise.py), or None when it has none."""
+    value = os.environ.get(PARENT_VAR, "")
+    return int(value) if value.isdigit() and int(value) == os.getppid() else None
+
+
+def notes_fd():
+    """The descriptor of the supervising parent's notes file, or None."""
+    value = os.environ.get(NOTES_VAR, "")
+    return int(value) if value.isdigit() and supervisor_pid() is not None else None
+
+
+def job_file(rank, kind):
+    """`rank<r>.<kind>` in the job folder, or None outside caffepar's launcher."""
     folder = os.environ.get(JOB_DIR_VAR)
-    return os.path.join(folder, f"rank{comm.rank}.{kind}") if folder else None
+    return os.path.join(folder, f"rank{rank}.{kind}") if folder else None
 
 
-def _write_job_file(path, text):
+def write_job_file(path, text):
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
@@ -65,10 +87,10 @@ def _write_job_file(path, text):
 def register_rank(comm):
     """Tell the launcher (if caffepar's launcher started this job) which process is this rank;
     from now on the rank cannot end the job unseen (guard_exit)."""
-    path = _job_file(comm, "pid")
+    path = job_file(comm.rank, "pid")
     if path:
         try:
-            _write_job_file(path, f"{os.getpid()} {socket.gethostname()}\n")
+            write_job_file(path, f"{os.getpid()} {socket.gethostname()}\n")
         except OSError:     # a rank on another host, without the launcher's folder
             pass
     guard_exit(comm)
@@ -76,14 +98,35 @@ def register_rank(comm):
 
 def stuck_file(comm):
     """Where the watchdog's last resort writes the stacks of a rank stuck holding the
-    interpreter lock: `rank<r>.stuck` in the job folder (the launcher reports it), else stderr."""
-    path = _job_file(comm, "stuck")
+    interpreter lock: `rank<r>.stuck` in the job folder (the launcher reports it), else the
+    supervising parent's notes (it reports them), else stderr."""
+    path = job_file(comm.rank, "stuck")
     if path:
         try:
             return open(path, "w", encoding="utf-8")
         except OSError:
             pass
-    return sys.stderr
+    notes = notes_fd()
+    return notes if notes is not None else sys.stderr
+
+
+def first_frame(stack):
+    """`file.py:12, in name` of the first frame of a stack Python's faulthandler wrote."""
+    frame = re.search(r'File "([^"]*)", line (\d+) in (\S+)', stack)
+    return f"{os.path.basename(frame.group(1))}:{frame.group(2)}, in {frame.group(3)}" \
+        if frame else None
+
+
+def stuck_line(rank, text):
+    """The report line of a rank ended by its watchdog's last resort (stuck holding the
+    interpreter lock: Watchdog.backstop), from the stacks it wrote, or None."""
+    found = re.match(r"Timeout \((\d+):(\d+):(\d+)", text)
+    if not found:
+        return None
+    h, m, sec = map(int, found.groups())
+    where = first_frame(text.rstrip().split("\n\n")[-1])     # the main thread comes last
+    return (f"[rank {rank}] caffepar: stuck {3600 * h + 60 * m + sec} s in compiled code "
+            f"that holds the interpreter lock{f' ({where})' if where else ''}; ended")
 
 
 _os_exit = os._exit
@@ -111,14 +154,14 @@ def guard_exit(comm):
 def finish_rank(comm):
     """This rank ended normally (stopped early when its process manager or launcher died: the
     job did not end as it should, which its status says)."""
-    lost = comm.watchdog.orphaned if comm.watchdog is not None else None
+    lost = comm.watchdog.lost() if comm.watchdog is not None else None
     comm.stop_watchdog()
     if lost:
         abort_all(comm, f"[rank {comm.rank}] caffepar: {lost}; stopped", hard=True)
-    path = _job_file(comm, "end")
+    path = job_file(comm.rank, "end")
     if path:
         try:
-            _write_job_file(path, "0\n")
+            write_job_file(path, "0\n")
         except OSError:
             pass
     os._exit = _os_exit
@@ -130,11 +173,11 @@ def abort_all(comm, line, code=1, hard=False):
     Under caffepar's launcher the line goes to the job folder and the rank just exits: hydra
     ends the others, quietly, and the launcher prints the line. Under another launcher the line
     goes to stderr, then MPI_Abort (its own banner silenced) ends the job."""
-    path = _job_file(comm, "end")
+    path = job_file(comm.rank, "end")
     written = False
     if path:
         try:
-            _write_job_file(path, f"{code}\n{line}\n")
+            write_job_file(path, f"{code}\n{line}\n")
             written = True
         except OSError:
             pass
