@@ -438,7 +438,8 @@ def netlab_up(name, nodes, ranks_per_node, link):
 @netlab_group.command("down")
 @_name_option
 def netlab_down(name):
-    """Remove a lab, and whatever a killed run of it left (processes, namespaces, links)."""
+    """Remove a lab, and whatever a killed run of it left (processes, namespaces, links, job
+    folders)."""
     check_privileges()
     removed = down(name)
     click.echo(f"netlab {name}: removed {', '.join(removed)}" if removed

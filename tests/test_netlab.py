@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -428,6 +429,8 @@ def test_down_removes_what_a_killed_run_left(tmp_path, lab):
     down = caffepar("netlab", "down", "--name", one.name)
     assert down.returncode == 0, down.stderr
     assert namespaces(one.name) == []
+    left = Path(tempfile.gettempdir()).glob(f"caffepar-job-{run.proc.pid}-*")
+    assert list(left) == []                 # the killed launcher's job folder
     leftover = [p for p in Path("/proc").iterdir() if p.name.isdigit()
                 and _cwd_is(p, folder)]
     assert leftover == [], leftover
