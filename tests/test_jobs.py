@@ -74,12 +74,13 @@ def workdir(folder, fault=None, max_iter=100000, sleep=0.01):
 class Run:
     """`caffepar train` in its own process group, its merged output collected as it comes."""
 
-    def __init__(self, folder, ranks=2, args=()):
+    def __init__(self, folder, ranks=2, args=(), command=None):
         path = os.pathsep.join(filter(None, [str(HERE / "mpi"), os.environ.get("PYTHONPATH")]))
         env = dict(os.environ, PYTHONPATH=path, OPENBLAS_NUM_THREADS="1",
                    OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "caffepar.cli", "train", "--solver", "solver.prototxt"]
         cmd += (["--np", str(ranks)] if ranks > 1 else []) + [str(a) for a in args]
+        cmd = command or cmd
         self.folder, self.ranks = folder, ranks
         self.proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,
@@ -618,8 +619,9 @@ def test_plain_mpiexec_status_tells_the_failure(tmp_path, fault):
     folder = workdir(tmp_path, None if own else {"rank": 1, "at": 12, "do": fault})
     path = os.pathsep.join(filter(None, [str(HERE / "mpi"), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([find_mpiexec(), "-n", "2", sys.executable, "-m", "caffepar.cli",
-                             "train", "--solver", "solver.prototxt", "--watchdog", "2"],
+    debug = ["--debug"] if fault == "segv" else []      # the crash's stacks in full too
+    proc = subprocess.Popen([find_mpiexec(), "-n", "2", sys.executable, "-m", "caffepar.cli"] +
+                            debug + ["train", "--solver", "solver.prototxt", "--watchdog", "2"],
                             cwd=folder, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -643,6 +645,7 @@ def test_plain_mpiexec_status_tells_the_failure(tmp_path, fault):
     if fault in KILLED:
         assert proc.returncode == KILLED[fault][0], out[-2000:]
         assert len(lines) == 1 and re.fullmatch(KILLED[fault][1], lines[0]), out[-2000:]
+        assert ("Fatal Python error: Segmentation fault" in out) == bool(debug), out[-2000:]
     elif fault == "nan":      # every rank sees the loss; each names its first non-finite top
         assert proc.returncode == 1, out[-2000:]
         assert all("the loss is nan" in line for line in lines), out[-2000:]

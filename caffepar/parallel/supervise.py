@@ -129,8 +129,17 @@ def _watch(child, rank, notes):
     elif code == 1 and text.startswith("Timeout ("):
         line = stuck_line(rank, text)
     if line:
+        if text and any(a in ("--debug", "-debug") for a in sys.argv):
+            _write(2, text)         # the stacks in full, as --debug shows a traceback
         _report(rank, code, line)
     os._exit(code)
+
+
+def _write(fd, text):
+    try:
+        os.write(fd, text.encode("utf-8", "replace"))
+    except OSError:
+        pass
 
 
 def _read(notes):
@@ -155,10 +164,7 @@ def _report(rank, code, line):
             return
         except OSError:
             pass
-    try:
-        os.write(2, (line + "\n").encode("utf-8", "replace"))
-    except OSError:
-        pass
+    _write(2, line + "\n")
     _hydra_abort(code)
 
 
