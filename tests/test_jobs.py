@@ -205,9 +205,14 @@ def snapshots(folder):
                   for p in (folder / "snap").glob("tiny_iter_*.solverstate"))
 
 
+#: A log line, in glog's format (Caffe's): I1128 08:41:50.403989 23998 file.py:156] ...
+LOG_LINE = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ ]+:\d+\] ")
+
+
 def error_lines(output):
-    """The lines a user reads as the job's verdict (log lines aside)."""
-    return [line for line in output.splitlines() if "caffepar:" in line or line == "aborted"]
+    """The lines a user reads as the job's verdict (log lines, warnings among them, aside)."""
+    return [line for line in output.splitlines()
+            if ("caffepar:" in line and not LOG_LINE.match(line)) or line == "aborted"]
 
 
 #: What the process manager prints of its own: never in a job's output.

@@ -745,7 +745,8 @@ class Watchdog:
     def _expired(self, waiting, request, query, limit, stopping=False):
         """This rank has waited `limit` s in `waiting` (or was asked to stop while waiting):
         end the job naming the ranks that did not come, unless a late one is writing a
-        snapshot, or a lower rank that waits there too will say it."""
+        snapshot, a lower rank that waits there too will say it, or (asked to stop) the late
+        ranks answer and compute: they were asked too, and say where they are stuck."""
         number, op, tag, since = waiting
         comm = self.comm
         # orphaned: no launcher reads the line, and the ranks asked may be gone (5 s lost)
@@ -763,6 +764,10 @@ class Watchdog:
             return request
         if waiters[0] != comm.rank and waited < 2 * (limit or self.STOP_GRACE):
             return request                                  # the lower rank says it
+        if stopping and late and all(r in answers and not answers[r][1] for r in late) and \
+                time.monotonic() - comm.stop_since < 2 * max(self.STOP_GRACE,
+                                                             3 * comm.longest_gap):
+            return request      # late ranks that compute, asked to stop too, say where they are
         what = f"collective #{number} ({op} {tag!r})" if tag else f"collective #{number} ({op})"
         several_hosts = len(set(self.hosts)) > 1
         who = []

@@ -180,7 +180,8 @@ class Job:
     """Seconds the relay may take to pass on the job's last output once mpiexec has ended."""
     FAILURE_GRACE = 1.0
     """Seconds the other ranks get to end on their own once one has failed with a reason: they
-    often meet the same error (a file every rank reads), and each is named."""
+    often meet the same error (a file every rank reads), and each is named. None after a
+    SIGTERM, whose time is short."""
 
     def __init__(self, cmd, env, folder, size):
         self.cmd, self.env, self.folder, self.size = cmd, env, folder, size
@@ -338,9 +339,9 @@ class Job:
         if self.failed_since is None:
             self.failed_since = time.monotonic()
         alive = [r for r in self.pids if r not in self.gone]
-        if alive and failed[0] in ends and \
+        if alive and failed[0] in ends and self.stop_by is None and \
                 time.monotonic() - self.failed_since < self.FAILURE_GRACE:
-            return
+            return      # (after SIGTERM time is short: no grace)
         self.ending = True
         for rank in alive:
             self._end_rank(rank)

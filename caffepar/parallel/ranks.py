@@ -184,7 +184,7 @@ def abort_all(comm, line, code=1, hard=False):
     if not written:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
-        time.sleep(0.5)     # a launcher we did not start forwards output asynchronously
+        wait_forwarded(2)       # stderr: a launcher we did not start forwards it later
     try:
         sys.stdout.flush()
     except (OSError, ValueError):
@@ -193,6 +193,32 @@ def abort_all(comm, line, code=1, hard=False):
         _silence_output()
         comm.abort(code)
     _os_exit(code)
+
+
+def wait_forwarded(fd, limit=2.0):
+    """Until what was written to `fd` has been taken by the process manager that forwards this
+    rank's output (the pipe behind it read empty), at most `limit` seconds, and a moment more
+    for it to pass it on; at once where `fd` is no pipe (a file, a terminal)."""
+    import array
+    import fcntl
+    import stat
+    import termios
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return
+    except OSError:
+        return
+    waiting = array.array("i", [0])
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            fcntl.ioctl(fd, termios.FIONREAD, waiting, True)
+        except OSError:
+            break
+        if not waiting[0]:
+            break
+        time.sleep(0.01)
+    time.sleep(0.1)
 
 
 def _silence_output():

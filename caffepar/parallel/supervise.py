@@ -29,7 +29,8 @@ import signal
 import sys
 import time
 
-from caffepar.parallel.ranks import NOTES_VAR, PARENT_VAR, job_file, stuck_line, write_job_file
+from caffepar.parallel.ranks import (NOTES_VAR, PARENT_VAR, job_file, stuck_line,
+                                     wait_forwarded, write_job_file)
 
 OFF_VAR = "CAFFEPAR_SUPERVISE"
 
@@ -165,6 +166,7 @@ def _report(rank, code, line):
         except OSError:
             pass
     _write(2, line + "\n")
+    wait_forwarded(2)       # stderr: the process manager has the line before the job ends
     _hydra_abort(code)
 
 
