@@ -537,11 +537,15 @@ ROWS = [
     ("network lab, 2 nodes, a run to its end", lab_run(killed=False)),
     ("network lab, 2 nodes, a run SIGKILLed, then netlab down", lab_run(killed=True)),
 ]
-#: Rows whose runs end badly with MPI ranks running (the raw MPI lines counted in the notes).
-ABNORMAL = {name for name, _fn in ROWS if not name.startswith(("SIGINT", "SIGHUP", "SIGTERM",
-                                                               "snapshot (5 s)", "network lab"))
-            and ("--np" in name or "mpiexec" in name or "rank" in name or "process manager" in
-                 name or "launcher" in name)}
+#: Rows whose runs are jobs of MPI ranks that end badly: their raw MPI lines are summed.
+ABNORMAL = {"kill -9 of rank 1, --np 2", "kill -9 of rank 1, --np 2, many runs",
+            "hung rank, default watchdog, tiny net", "hung rank, default watchdog, cifar10_quick",
+            "launcher SIGTERM then SIGKILL, rank 1 hung",
+            "timeout -k 10 stops the launcher, rank 1 hung",
+            "process manager (hydra's proxy) killed, --np 2", "caffemodel cut short, --np 2",
+            "every rank stuck holding the interpreter lock, --watchdog 5"} | {
+    name for name, _fn in ROWS if "rank 1" in name and "mpiexec" in name or
+    name.endswith("in rank 1, --np 2") or name == "rank 1 calls os._exit(0), --np 2"}
 SINGLE = {"huge net, 100,000 layers: convert info"}       # one run is the measurement
 MANY = {"kill -9 of rank 1, --np 2, many runs": 20}     # a race seen 1 run in 10
 
@@ -634,9 +638,10 @@ def _write_md(out, rows):
     bad = [r for r in rows if r["row"] in ABNORMAL]
     documented = sum(int(r["documented"]) for r in bad)
     raw_lines = sum(int(r["raw_mpi_lines"] or 0) for r in bad)
-    lines += ["", f"Jobs of MPI ranks that ended badly (every row above naming a rank, the "
-              f"launcher or the process manager, but signals and the slow snapshot): {len(bad)} "
-              f"runs, {documented} as documented, {raw_lines} raw MPI lines in their output.",
+    lines += ["", f"Jobs of MPI ranks that ended badly (the rows of killed, crashed, hung, "
+              f"stuck or exiting ranks, a killed launcher or process manager, a cut --weights "
+              f"under --np): {len(bad)} runs, {documented} as documented, {raw_lines} raw MPI "
+              f"lines in their output.",
               "", "Notes:", "",
               "- Signals: seconds from the signal to the end of the run (at startup the start "
               "is included). A signal that comes while the command starts is kept until the "

@@ -19,7 +19,8 @@ rank dies with its parent (SIGTERM on the parent's death, a snapshot and stop), 
 exits when its own parent, the process manager's proxy, dies, so that the rank's watchdog sees
 the process manager gone. `CAFFEPAR_SUPERVISE=0` turns all of this off.
 
-This module is imported by `caffepar/__init__.py` before anything heavy: standard library only.
+This module is imported by `caffepar/__init__.py` before anything heavy: it uses the standard
+library and ranks.py only.
 """
 import faulthandler
 import os
