@@ -6,6 +6,9 @@ layer modules run unchanged."""
 __version__ = "0.1.0"
 from caffepar import _signals
 _signals.hold()     # the command notes signals until it can act on them (see _signals)
+if _signals.is_command():
+    from caffepar.parallel.supervise import supervise
+    supervise()     # a rank of a job runs under a parent that reports its death by a signal
 from caffepar import _threads  # noqa: E402,F401  (must run before NumPy loads BLAS)
 from caffepar import io, proto
 from caffepar.pycaffe import (TEST, TRAIN, Layer, Net, layer_type_list, set_device, set_mode_cpu,

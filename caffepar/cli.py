@@ -829,7 +829,7 @@ def _world_comm(ctx, watchdog):
     comm = world_comm()
     ctx.obj["comm"] = comm
     if comm.size > 1:
-        from caffepar.parallel.launch import register_rank
+        from caffepar.parallel.ranks import register_rank
         register_rank(comm)
         comm.start_watchdog(watchdog)
     return comm
@@ -859,13 +859,13 @@ def failure(error, debug=False):
     if isinstance(error, OSError):
         where = f"{error.filename}: " if getattr(error, "filename", None) else ""
         return 1, f"caffepar: {where}error: {error.strerror or error}"
-    from caffepar.parallel.comm import mpi_failure
+    from caffepar.parallel.ranks import mpi_failure
     return 1, mpi_failure(error)
 
 
 def _end_rank(comm, error, debug):
     """A rank of a multi-rank job that did not finish ends the job, reporting why in one line."""
-    from caffepar.parallel.launch import abort_all
+    from caffepar.parallel.ranks import abort_all
     code, line = failure(error, debug)
     if debug:
         import traceback
@@ -904,7 +904,7 @@ def main(argv=None):
         sys.exit(code)
     comm = obj.get("comm")
     if comm is not None and comm.size > 1:
-        from caffepar.parallel.launch import finish_rank
+        from caffepar.parallel.ranks import finish_rank
         finish_rank(comm)
     sys.exit(0)
 

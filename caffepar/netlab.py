@@ -25,13 +25,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import click
 
 from caffepar.errors import CaffeparError
-from caffepar.parallel.launch import JOB_DIR_VAR, Job, find_mpiexec
+from caffepar.parallel.launch import Job, find_mpiexec, job_folder, remove_stale_job_folders
+from caffepar.parallel.ranks import JOB_DIR_VAR
 
 SUBNET = ipaddress.ip_network("198.18.0.0/24")
 HUB_ADDRESS = SUBNET[1]
@@ -248,7 +248,8 @@ def set_link(lab, node, state):
 
 def down(name):
     """Remove lab `name`: end the processes left in its nodes, delete its namespaces (their
-    links and bridge go with them) and its state. Returns the namespaces removed."""
+    links and bridge go with them) and its state, and the job folders of launchers that were
+    killed. Returns the namespaces removed."""
     namespaces = lab_namespaces(name)
     for ns in namespaces:
         for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
@@ -259,6 +260,7 @@ def down(name):
     for ns in namespaces:
         _run("ip", "netns", "del", ns, check=False)
     shutil.rmtree(os.path.join(state_dir(), name), ignore_errors=True)
+    remove_stale_job_folders()
     return namespaces
 
 
@@ -356,7 +358,7 @@ def run_job(lab, argv, threads=1, mpiexec=None, ranks=None):
     reported once, signals forwarded); the exit status a one-process run would have had."""
     ranks = ranks or lab.nodes * lab.ranks_per_node
     env = rank_environment(threads)
-    folder = tempfile.mkdtemp(prefix="caffepar-job-")
+    folder = job_folder()
     env[JOB_DIR_VAR] = folder
     program = [sys.executable, "-m", "caffepar.cli"] + list(argv)
     from caffepar.parallel.mpilib import family
@@ -387,7 +389,7 @@ class LabJob(Job):
         self.failed_at = None
 
     def _forward(self, signum, frame):
-        self.received.append(signum)
+        self._note(signum)
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.kill(self.proc.pid, signum)
@@ -399,7 +401,7 @@ class LabJob(Job):
         if self.proc.poll() is not None:
             return
         if self.failed_at is None:
-            if any(code for code, _line in self._ends().values()):
+            if any(code for code, _line in self._all_ends().values()):
                 self.failed_at = time.monotonic()
         elif time.monotonic() - self.failed_at > self.GRACE:
             try:
@@ -407,10 +409,10 @@ class LabJob(Job):
             except ProcessLookupError:
                 pass
 
-    def _ends(self):
+    def _ends(self, kind="end"):
         node = lambda m: f"{m.group(0)} (node{int(m.group(1)) // self.ranks_per_node})"
         out = {}
-        for rank, (code, line) in super()._ends().items():
+        for rank, (code, line) in super()._ends(kind).items():
             head, sep, text = line.partition("] ")
             if sep and head.startswith("[rank") and not re.search(r"\bnode\d", text):
                 line = head + sep + re.sub(r"\brank (\d+)\b", node, text)
@@ -475,7 +477,8 @@ def netlab_up(name, nodes, ranks_per_node, link, slurm):
 @netlab_group.command("down")
 @_name_option
 def netlab_down(name):
-    """Remove a lab, and whatever a killed run of it left (processes, namespaces, links)."""
+    """Remove a lab, and whatever a killed run of it left (processes, namespaces, links, job
+    folders)."""
     check_privileges()
     removed = down(name)
     click.echo(f"netlab {name}: removed {', '.join(removed)}" if removed

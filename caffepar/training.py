@@ -152,6 +152,8 @@ def run_training(solver_path, weights=None, snapshot=None, iterations=None, leve
     if timeline is not None:
         comm.timeline = timeline
         timeline.watch_solver(solver)
+    if rank == 0:
+        solver.check_snapshot_folder()      # before any training: the CSV and snapshots go there
     lock = PrefixLock(solver.snapshot_prefix)
     if rank == 0 and lock.acquire():
         _remove_stale_temp_files(stale_temp_files(solver.snapshot_prefix))

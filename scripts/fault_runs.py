@@ -1,15 +1,18 @@
 #!/usr/bin/env python
-"""Fault runs: caffepar under signals at every phase, killed and hung ranks with default
-settings, files cut short, a full disk and huge nets; each way a few times, checking that it
-ends as the README says.
+"""Fault runs: caffepar under signals at every phase, killed, crashed and hung ranks with
+default settings, a killed process manager or launcher, a scheduler's SIGTERM then SIGKILL,
+files cut short or empty, a missing snapshot folder, a full disk and huge nets; each way a few
+times, checking that it ends as the README says.
 
     python scripts/fault_runs.py [--out results/reliability] [--runs 3] [--resume] [--only ROW]
 
 Each row is a kind of run: how many runs, how many ended as documented (exit status, snapshot,
-the one line), the seconds from the fault to the end (median and largest), and the message a
-user reads. Runs are small (a tiny net of two InnerProduct layers, cifar10_quick on DummyData)
-and use the test suite's fault layer (tests/mpi/faults.py). Writes OUT.csv (one line per run,
-kept by --resume) and OUT.md. The disk-full row mounts a 64 KB tmpfs and needs root.
+the one line; for every run of MPI ranks also none of the process manager's own lines), the
+seconds from the fault to the end (median and largest), the message a user reads, and the raw
+MPI lines counted in the runs' output. Runs are small (a tiny net of two InnerProduct layers,
+cifar10_quick on DummyData) and use the test suite's fault layer (tests/mpi/faults.py). Writes
+OUT.csv (one line per run, kept by --resume) and OUT.md. The disk-full and network lab rows
+need root.
 """
 import argparse
 import csv
@@ -28,14 +31,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from test_jobs import Run, all_ended, snapshots, wait_until, workdir  # noqa: E402
+from test_jobs import (Run, all_ended, error_lines, job_folders, raw_mpi_lines,  # noqa: E402
+                       snapshots, wait_until, workdir)
 
-FIELDS = ["row", "run", "documented", "seconds", "message", "detail"]
+FIELDS = ["row", "run", "documented", "seconds", "message", "detail", "raw_mpi_lines"]
 
 
-def verdict(lines):
-    """The lines a user reads as the verdict (log lines and MPI's banners aside)."""
-    return [l for l in lines.splitlines() if "caffepar:" in l or l.strip() == "aborted"]
+def verdict(text):
+    """The lines a user reads as the verdict (log lines, warnings among them, aside)."""
+    return error_lines(text)
+
+
+def raw(out):
+    """How many of the process manager's own lines (hydra's [proxy:...], [mpiexec@...], its
+    banner) the output holds."""
+    return len(raw_mpi_lines(out))
 
 
 def cifar_workdir(folder, fault):
@@ -92,14 +102,15 @@ def signal_at(sig, ranks, when):
         seconds = time.monotonic() - t0
         out = job.output
         ok = (code == 0 and len(snapshots(folder)) > before and "Traceback" not in out
-              and "UCX" not in out and not verdict(out))
+              and "UCX" not in out and not verdict(out) and not raw(out))
         message = f"exit {code}; {len(snapshots(folder)) - before} snapshot(s)" + \
             ("; Optimization stopped early." if "stopped early" in out else "")
-        return ok, seconds, message, ""
+        return ok, seconds, message, "", raw(out)
     return run
 
 
 def killed_rank(folder):
+    """kill -9 of rank 1 under --np: status 137, one line naming rank 1 and SIGKILL."""
     workdir(folder)
     job = Run(folder, 2)
     pids = job.rank_pids(120)
@@ -110,9 +121,65 @@ def killed_rank(folder):
     code = job.finish(120)
     seconds = time.monotonic() - t0
     lines = verdict(job.output)
-    ok = code == 1 and len(lines) == 1 and lines[0].startswith("[rank 1]") and \
-        not all_ended(processes, 10) and "error stack" not in job.output
-    return ok, seconds, lines[0] if lines else f"exit {code}", f"exit {code}, {len(lines)} line(s)"
+    ok = code == 137 and len(lines) == 1 and lines[0].startswith("[rank 1]") and \
+        "killed by SIGKILL" in lines[0] and not all_ended(processes, 10) and \
+        "error stack" not in job.output and not raw(job.output) and \
+        not job_folders(job.proc.pid)
+    return ok, seconds, lines[0] if lines else f"exit {code}", \
+        f"exit {code}, {len(lines)} line(s)", raw(job.output)
+
+
+def killed_process_manager(folder):
+    """SIGKILL to hydra's proxy, the process manager of both ranks, under --np: the ranks
+    snapshot and stop and the job ends non-zero in one line; hydra's complaints (4 lines from
+    mpiexec) are not shown."""
+    workdir(folder)
+    job = Run(folder, 2)
+    pids = job.rank_pids(120)
+    job.wait_for("Iteration 20,", timeout=120)
+    processes = job.processes()
+    t0 = time.monotonic()
+    os.kill(pids[1][1], signal.SIGKILL)
+    code = job.finish(120)
+    seconds = time.monotonic() - t0
+    lines = verdict(job.output)
+    ok = code == 1 and len(lines) == 1 and "lost its process manager" in lines[0] and \
+        not all_ended(processes, 10) and not raw(job.output) and not job_folders(job.proc.pid)
+    return ok, seconds, lines[0] if lines else f"exit {code}", \
+        f"exit {code}, {len(lines)} line(s)", raw(job.output)
+
+
+def scheduler_timeout(folder):
+    """`timeout -k 10 600 caffepar train --np 2` told to stop (SIGTERM to timeout, as at its
+    time limit) while rank 1 hangs in a layer and rank 0 waits: the job ends in one line
+    before timeout's SIGKILL 10 s later, every process and the job folder gone."""
+    workdir(folder, {"rank": 1, "at": 25, "do": "hang"})
+    cmd = ["timeout", "-k", "10", "600", sys.executable, "-m", "caffepar.cli", "train",
+           "--solver", "solver.prototxt", "--np", "2"]
+    job = Run(folder, 2, command=cmd)
+    job.rank_pids(120)
+    job.wait_for("Iteration 20,", timeout=120)
+    time.sleep(2)
+    launcher = [p for p in job.processes() if _cmdline(p).startswith(sys.executable)][0]
+    processes = job.processes()
+    t0 = time.monotonic()
+    job.proc.send_signal(signal.SIGTERM)
+    code = job.finish(60)
+    seconds = time.monotonic() - t0
+    lines = verdict(job.output)
+    left = all_ended(processes, 10)
+    ok = code == 1 and seconds < 10 and len(lines) == 1 and "SIGTERM" in lines[0] and \
+        not left and not raw(job.output) and not job_folders(launcher)
+    return ok, seconds, lines[0] if lines else f"exit {code}", \
+        f"exit {code}; job folder left: {bool(job_folders(launcher))}", raw(job.output)
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def hung_rank(net):
@@ -136,15 +203,16 @@ def hung_rank(net):
         seconds = time.monotonic() - t0
         lines = verdict(job.output)
         ok = code == 1 and len(lines) == 1 and "rank 1" in lines[0] and seconds < 120 and \
-            not all_ended(processes, 10)
+            not all_ended(processes, 10) and not raw(job.output)
         return ok, seconds, lines[0] if lines else f"exit {code}", \
-            f"waiting rank used {100 * share:.1f}% of a core"
+            f"waiting rank used {100 * share:.1f}% of a core", raw(job.output)
     return run
 
 
 def lost_launcher(folder):
-    """A batch scheduler at its time limit: SIGTERM to the launcher, SIGKILL 4 s later, while
-    rank 1 hangs and rank 0 waits: every process gone within seconds."""
+    """A batch scheduler at its time limit, with a short grace: SIGTERM to the launcher,
+    SIGKILL 4 s later, while rank 1 hangs and rank 0 waits: every process gone within seconds,
+    the job folder too (removed by the relay the launcher leaves)."""
     workdir(folder, {"rank": 1, "at": 25, "do": "hang"})
     job = Run(folder, 2)
     job.rank_pids(120)
@@ -159,12 +227,17 @@ def lost_launcher(folder):
     seconds = time.monotonic() - t0
     for pid in left:
         os.kill(pid, signal.SIGKILL)
-    return not left, seconds, "every process ended" if not left else \
-        f"{len(left)} process(es) still running after 60 s", ""
+    job.reader.join(10)
+    folders = wait_until(lambda: not job_folders(job.proc.pid), 10)
+    ok = not left and folders and not raw(job.output)
+    return ok, seconds, "every process ended" if not left else \
+        f"{len(left)} process(es) still running after 60 s", \
+        f"job folder removed: {folders}", raw(job.output)
 
 
-def cut_file(kind):
-    """A weights file, solver state or prototxt cut short: refused in one line naming it."""
+def cut_file(kind, ranks=1):
+    """A weights file, solver state or prototxt cut short (or `empty`: a 0-byte weights file):
+    refused in one line naming it; with --np 2, naming every rank that read it."""
     def run(folder):
         workdir(folder)
         subprocess.run([sys.executable, "-m", "caffepar.cli", "train", "--solver",
@@ -173,21 +246,77 @@ def cut_file(kind):
         (folder / "solver.prototxt").write_text(
             (folder / "solver.prototxt").read_text().replace("max_iter: 100000", "max_iter: 20"))
         target = {"caffemodel": folder / "snap/tiny_iter_10.caffemodel",
+                  "empty": folder / "snap/tiny_iter_10.caffemodel",
                   "solverstate": folder / "snap/tiny_iter_10.solverstate",
                   "prototxt": folder / "net.prototxt"}[kind]
         data = target.read_bytes()
-        target.write_bytes(data[:len(data) * 2 // 3])
+        target.write_bytes(b"" if kind == "empty" else data[:len(data) * 2 // 3])
         args = {"caffemodel": ["--weights", "snap/tiny_iter_10.caffemodel"],
+                "empty": ["--weights", "snap/tiny_iter_10.caffemodel"],
                 "solverstate": ["--snapshot", "snap/tiny_iter_10.solverstate"],
-                "prototxt": []}[kind]
+                "prototxt": []}[kind] + (["--np", str(ranks)] if ranks > 1 else [])
         t0 = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "caffepar.cli", "train", "--solver",
                                "solver.prototxt"] + args, cwd=folder, env=_env(),
                               capture_output=True, text=True, timeout=300)
         lines = verdict(done.stderr)
         ok = done.returncode == 1 and len(lines) == 1 and target.name in lines[0] and \
-            "Traceback" not in done.stderr
-        return ok, time.monotonic() - t0, lines[0] if lines else f"exit {done.returncode}", ""
+            "Traceback" not in done.stderr and not raw(done.stdout + done.stderr) and \
+            ("empty file" in lines[0] if kind == "empty" else True) and \
+            (lines[0].startswith("[ranks 0, 1] ") if ranks > 1 else True)
+        return ok, time.monotonic() - t0, lines[0] if lines else f"exit {done.returncode}", "", \
+            raw(done.stdout + done.stderr)
+    return run
+
+
+def missing_snapshot_folder(folder):
+    """snapshot_prefix in a folder that does not exist: refused before the first iteration in
+    one line naming that folder (not a temp file written in it)."""
+    workdir(folder)
+    (folder / "solver.prototxt").write_text(
+        (folder / "solver.prototxt").read_text().replace('"snap/tiny"', '"gone/tiny"'))
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "caffepar.cli", "train", "--solver",
+                           "solver.prototxt"], cwd=folder, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    lines = verdict(done.stderr)
+    ok = done.returncode == 1 and len(lines) == 1 and lines[0].startswith("caffepar: gone: ") \
+        and ".tmp" not in lines[0] and "Iteration" not in done.stderr
+    return ok, time.monotonic() - t0, lines[0] if lines else f"exit {done.returncode}", ""
+
+
+def lab_run(killed):
+    """`netlab run` of 2 nodes (a lab made for the run), to its end, or (killed) SIGKILLed
+    mid-run and followed by `netlab down`: no job folder of its launcher is left, nor a
+    namespace of the lab."""
+    def run(folder):
+        from caffepar import netlab
+        if netlab.missing_privileges():
+            return None
+        workdir(folder, max_iter=40 if not killed else 100000, sleep=0.02)
+        name = f"fr{os.getpid() % 10000}"
+        cmd = [sys.executable, "-m", "caffepar.cli", "netlab", "run", "--name", name,
+               "--nodes", "2", "--", "train", "--solver", "solver.prototxt"]
+        job = Run(folder, 2, command=cmd)
+        t0 = time.monotonic()
+        try:
+            if killed:
+                job.wait_for("Iteration 20,", timeout=180)
+                t0 = time.monotonic()
+                job.kill()
+                subprocess.run([sys.executable, "-m", "caffepar.cli", "netlab", "down",
+                                "--name", name], env=_env(), capture_output=True, timeout=120)
+                code = "killed"
+            else:
+                code = job.finish(300)
+        finally:
+            netlab.down(name)
+        seconds = time.monotonic() - t0
+        folders = job_folders(job.proc.pid)
+        ok = (killed or code == 0) and not folders and not netlab.lab_namespaces(name) and \
+            (killed or not raw(job.output))
+        return ok, seconds, f"exit {code}; job folders left: {len(folders)}", "", \
+            None if killed else raw(job.output)
     return run
 
 
@@ -274,7 +403,7 @@ def ends_badly(way, plain):
     SIGTERM to mpiexec or the launcher snapshots and stops, status 0."""
     def run(folder):
         faults = {"exit0": "exit0", "sys.exit": "sys.exit", "exception": "raise", "nan": "nan",
-                  "hang": "hang"}
+                  "hang": "hang", "segv": "segv"}
         workdir(folder, {"rank": 1, "at": 12, "do": faults[way]} if way in faults else None)
         args = ["--watchdog", 10] if way == "hang" else []
         if plain:
@@ -304,20 +433,23 @@ def ends_badly(way, plain):
                 os.killpg(proc.pid, signal.SIGKILL)
         seconds = time.monotonic() - t0
         lines = verdict(out)
-        clean = "Traceback" not in out and "error stack" not in out
+        clean = "Traceback" not in out and "error stack" not in out and not raw(out)
         if way == "sigterm":
             ok = code == 0 and len(snapshots(folder)) == 1 and not lines and clean
-            return ok, seconds, f"exit {code}; {len(snapshots(folder))} snapshot(s)", ""
+            return ok, seconds, f"exit {code}; {len(snapshots(folder))} snapshot(s)", "", raw(out)
         if way == "nan":
             named = all("the loss is nan" in line for line in lines) and any(
                 line.startswith("[rank 1]") and '"fault"' in line for line in lines)
-        elif way == "kill" and plain:
-            named = not lines       # hydra's own banner names the killed process
+        elif way in ("kill", "segv"):
+            signame = "SIGKILL" if way == "kill" else "SIGSEGV"
+            named = len(lines) == 1 and lines[0].startswith(f"[rank 1] caffepar: killed by "
+                                                            f"{signame}") and \
+                code == 128 + getattr(signal, signame)
         else:
             named = len(lines) == 1 and "rank 1" in lines[0]
         ok = code != 0 and named and clean
-        message = (lines[-1] if lines else "(hydra's banner only)") + f" [exit {code}]"
-        return ok, seconds, message, f"{len(lines)} line(s)"
+        message = (lines[-1] if lines else "(no line)") + f" [exit {code}]"
+        return ok, seconds, message, f"{len(lines)} line(s)", raw(out)
     return run
 
 
@@ -334,8 +466,8 @@ def stuck_holding_the_lock(folder):
     seconds = time.monotonic() - t0
     lines = verdict(job.output)
     ok = code == 1 and len(lines) == 1 and "holds the interpreter lock" in lines[0] and \
-        not all_ended(processes, 10) and "Traceback" not in job.output
-    return ok, seconds, lines[0] if lines else f"exit {code}", f"exit {code}"
+        not all_ended(processes, 10) and "Traceback" not in job.output and not raw(job.output)
+    return ok, seconds, lines[0] if lines else f"exit {code}", f"exit {code}", raw(job.output)
 
 
 def slow_snapshot(folder):
@@ -364,8 +496,8 @@ def slow_snapshot(folder):
         str(folder / "snap/tiny_iter_12.solverstate")).iter == 12 and [
         b[0].size for b in read_caffemodel(str(folder / "snap/tiny_iter_12.caffemodel"))
         .by_name()["ip1"]] == [160, 16]
-    ok = code == 0 and whole and not verdict(job.output)
-    return ok, seconds, f"exit {code}; snapshot whole: {whole}", ""
+    ok = code == 0 and whole and not verdict(job.output) and not raw(job.output)
+    return ok, seconds, f"exit {code}; snapshot whole: {whole}", "", raw(job.output)
 
 
 ROWS = [
@@ -379,9 +511,14 @@ ROWS = [
     ("hung rank, default watchdog, tiny net", hung_rank("tiny")),
     ("hung rank, default watchdog, cifar10_quick", hung_rank("cifar10_quick")),
     ("launcher SIGTERM then SIGKILL, rank 1 hung", lost_launcher),
+    ("timeout -k 10 stops the launcher, rank 1 hung", scheduler_timeout),
+    ("process manager (hydra's proxy) killed, --np 2", killed_process_manager),
     ("caffemodel cut short", cut_file("caffemodel")),
+    ("caffemodel cut short, --np 2", cut_file("caffemodel", ranks=2)),
+    ("caffemodel of 0 bytes", cut_file("empty")),
     ("solverstate cut short", cut_file("solverstate")),
     ("prototxt cut short", cut_file("prototxt")),
+    ("snapshot_prefix in a missing folder", missing_snapshot_folder),
     ("disk full, binary snapshot", disk_full("BINARYPROTO")),
     ("disk full, HDF5 snapshot", disk_full("HDF5")),
     ("huge net, 100,000 layers: convert info", huge_net(100000)),
@@ -392,11 +529,23 @@ ROWS = [
                        ("sys.exit", "rank 1 calls sys.exit(0)"),
                        ("exception", "an exception in rank 1"), ("nan", "a NaN in rank 1"),
                        ("hang", "rank 1 hung, --watchdog 10"), ("kill", "kill -9 of rank 1"),
+                       ("segv", "a segmentation fault in rank 1"),
                        ("sigterm", "SIGTERM to mpiexec")]
-     if plain or way in ("exit0", "exception", "nan")] + [
+     if plain or way in ("exit0", "exception", "nan", "segv")] + [
     ("every rank stuck holding the interpreter lock, --watchdog 5", stuck_holding_the_lock),
     ("snapshot (5 s) slower than --watchdog 2", slow_snapshot),
+    ("network lab, 2 nodes, a run to its end", lab_run(killed=False)),
+    ("network lab, 2 nodes, a run SIGKILLed, then netlab down", lab_run(killed=True)),
 ]
+#: Rows whose runs are jobs of MPI ranks that end badly: their raw MPI lines are summed.
+ABNORMAL = {"kill -9 of rank 1, --np 2", "kill -9 of rank 1, --np 2, many runs",
+            "hung rank, default watchdog, tiny net", "hung rank, default watchdog, cifar10_quick",
+            "launcher SIGTERM then SIGKILL, rank 1 hung",
+            "timeout -k 10 stops the launcher, rank 1 hung",
+            "process manager (hydra's proxy) killed, --np 2", "caffemodel cut short, --np 2",
+            "every rank stuck holding the interpreter lock, --watchdog 5"} | {
+    name for name, _fn in ROWS if "rank 1" in name and "mpiexec" in name or
+    name.endswith("in rank 1, --np 2") or name == "rank 1 calls os._exit(0), --np 2"}
 SINGLE = {"huge net, 100,000 layers: convert info"}       # one run is the measurement
 MANY = {"kill -9 of rank 1, --np 2, many runs": 20}     # a race seen 1 run in 10
 
@@ -442,9 +591,11 @@ def main():
             if result is None:
                 print(f"{name}: skipped (needs root)", flush=True)
                 break
-            ok, seconds, message, detail = result
+            ok, seconds, message, detail, *counted = result
             done.append({"row": name, "run": k, "documented": int(bool(ok)),
-                         "seconds": f"{seconds:.1f}", "message": message, "detail": detail})
+                         "seconds": f"{seconds:.1f}", "message": message, "detail": detail,
+                         "raw_mpi_lines": "" if not counted or counted[0] is None
+                         else counted[0]})
             print(f"{name} #{k}: {'ok' if ok else 'NOT AS DOCUMENTED'} {seconds:.1f} s "
                   f"{message} {detail}", flush=True)
             _write_csv(out, done)
@@ -463,11 +614,15 @@ def _write_md(out, rows):
     lines = ["# Reliability: how caffepar runs end under faults", "",
              f"`python scripts/fault_runs.py` on {cpu} ({os.cpu_count()} cores, shared with "
              "other work). Each row: runs, how many ended as the README documents (exit status, "
-             "snapshots, one line naming the cause, no traceback), seconds from the fault to the "
-             "end (median / largest), and the message a user reads. Runs are small (a tiny net "
-             "of two InnerProduct layers, cifar10_quick on DummyData), each in its own folder.",
+             "snapshots, one line naming the cause, no traceback, none of the process "
+             "manager's own lines), seconds from the fault to the end (median / largest), the "
+             "message a user reads, and the process manager's own lines counted in the runs' "
+             "output (hydra's `[proxy:...]` and `[mpiexec@...]` lines, its BAD TERMINATION "
+             "banner; - where not counted: one process, or a killed lab run's). Runs are small "
+             "(a tiny net of two InnerProduct layers, cifar10_quick on DummyData), each in its "
+             "own folder.",
              "", "| fault | runs | as documented | seconds to end (median / max) | message | "
-             "detail |", "|---|---|---|---|---|---|"]
+             "detail | raw MPI lines |", "|---|---|---|---|---|---|---|"]
     for name, _fn in ROWS:
         mine = [r for r in rows if r["row"] == name]
         if not mine:
@@ -476,9 +631,18 @@ def _write_md(out, rows):
         ok = sum(int(r["documented"]) for r in mine)
         message = statistics.mode([r["message"] for r in mine]).replace("|", "\\|")
         detail = "; ".join(sorted({r["detail"] for r in mine if r["detail"]}))[:200]
+        counted = [int(r["raw_mpi_lines"]) for r in mine if r.get("raw_mpi_lines", "") != ""]
         lines.append(f"| {name} | {len(mine)} | {ok} | {statistics.median(secs):.1f} / "
-                     f"{max(secs):.1f} | {message} | {detail.replace('|', '/')} |")
-    lines += ["", "Notes:", "",
+                     f"{max(secs):.1f} | {message} | {detail.replace('|', '/')} | "
+                     f"{sum(counted) if counted else '-'} |")
+    bad = [r for r in rows if r["row"] in ABNORMAL]
+    documented = sum(int(r["documented"]) for r in bad)
+    raw_lines = sum(int(r["raw_mpi_lines"] or 0) for r in bad)
+    lines += ["", f"Jobs of MPI ranks that ended badly (the rows of killed, crashed, hung, "
+              f"stuck or exiting ranks, a killed launcher or process manager, a cut --weights "
+              f"under --np): {len(bad)} runs, {documented} as documented, {raw_lines} raw MPI "
+              f"lines in their output.",
+              "", "Notes:", "",
               "- Signals: seconds from the signal to the end of the run (at startup the start "
               "is included). A signal that comes while the command starts is kept until the "
               "solver runs (SIGHUP at startup: its snapshot, then SIGTERM's).",
@@ -489,8 +653,18 @@ def _write_md(out, rows):
               "- Plain `mpiexec -n 2` (a cluster's launch, no caffepar launcher): every way a "
               "job ends badly exits non-zero. A rank that calls os._exit(0) ends the job "
               "through MPI_Abort with its line (MPICH's mpiexec would otherwise kill the other "
-              "ranks and exit 0); kill -9 of a rank is reported by hydra's own banner. A NaN "
-              "loss is seen by every rank: one line each, rank 1's naming the layer.",
+              "ranks and exit 0). A rank killed by a signal (kill -9, a segmentation fault) is "
+              "named with it by its supervising parent, which ends the job through hydra's "
+              "PMI abort with status 128 + the signal's number, under a plain mpiexec as under "
+              "--np (hydra alone printed only its banner, status 9 or 11). A NaN loss is seen "
+              "by every rank: one line each, rank 1's naming the layer.",
+              "- A killed process manager or launcher: hydra's mpiexec complains in 4 lines "
+              "when its proxy dies; under --np the launcher's relay drops them, and outlives a "
+              "SIGKILLed launcher to pass on the ranks' last lines and remove the job folder. "
+              "timeout -k 10: SIGTERM to `timeout` (as at its limit), which sends it to the "
+              "launcher's process group and SIGKILL 10 s later; the job ends first (the ranks' "
+              "watchdog names the hung rank after 5 s; the launcher ends the job after 8 s at "
+              "the latest).",
               "- Faults a layer injects (exits, an exception, a NaN, a hang): seconds from the "
               "launch (the fault comes at the 12th forward) or, for the hang and the stuck "
               "ranks, from the iteration before it.",

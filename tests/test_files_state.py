@@ -146,6 +146,35 @@ def test_truncated_state_on_the_command_line_is_one_line(tmp_path, monkeypatch, 
     assert one_line(err).startswith("caffepar: cut.solverstate: error: ")
 
 
+def test_empty_weights_file_is_one_line_saying_so(tmp_path, monkeypatch, capsys):
+    """A 0-byte --weights parses as a caffemodel of no layers: said as what it is, not as every
+    layer missing."""
+    monkeypatch.chdir(workdir(tmp_path))
+    (tmp_path / "empty.caffemodel").write_bytes(b"")
+    code, _out, err = train(["--iterations", 1, "--weights", "empty.caffemodel"], capsys)
+    assert code == 1
+    assert one_line(err) == ("caffepar: empty.caffemodel: error: empty file (0 bytes: cut short "
+                             "while being written or copied?)")
+
+
+def test_missing_snapshot_folder_is_named_before_training(tmp_path, monkeypatch, capsys):
+    """snapshot_prefix in a folder that does not exist: refused before the first iteration,
+    naming that folder (not a temp file of the CSV written in it), also without `snapshot:`;
+    a folder removed mid-run is named too."""
+    monkeypatch.chdir(workdir(tmp_path))
+    (tmp_path / "solver.prototxt").write_text(
+        SOLVER.format(max_iter=3, snapshot=0).replace("snap/small", "gone/small"))
+    code, _out, err = train([], capsys)
+    assert code == 1
+    assert one_line(err) == ('caffepar: gone: error: no such folder, for snapshot_prefix '
+                             '"gone/small"; create it, or change snapshot_prefix in '
+                             'solver.prototxt')
+    assert "Iteration" not in err
+    with pytest.raises(OSError) as info:
+        weights_io.atomic_write("gone/small_log.csv", lambda f: f.write(b"x"))
+    assert info.value.errno == errno.ENOENT and info.value.filename == "gone"
+
+
 # ------------------------------------------------------------------------ temp files
 def test_stale_temp_files_of_the_prefix_are_removed_at_start(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(workdir(tmp_path))

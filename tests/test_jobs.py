@@ -1,7 +1,9 @@
 """Parallel jobs end cleanly: signals to the `--np` launcher (or its whole process group) mean
 what they mean to one process, with the same exit status; killing the launcher, a rank or the
-process manager, a hung rank (the watchdog) and a rank that exits on its own end every process
-of the job, each reported once as one line naming the rank."""
+process manager, a hung rank (the watchdog), a rank killed by a signal (named with it) and a
+rank that exits on its own end every process of the job, each reported once as one line naming
+the rank, with none of the process manager's own lines; a SIGTERM ends the job before a
+scheduler's SIGKILL, and no job folder outlives its job."""
 import json
 import os
 import re
@@ -16,7 +18,8 @@ import h5py
 import numpy as np
 import pytest
 
-from caffepar.parallel.launch import find_mpiexec, process_alive
+from caffepar.parallel.launch import find_mpiexec
+from caffepar.parallel.ranks import process_alive
 
 HERE = Path(__file__).resolve().parent
 pytestmark = [pytest.mark.skipif(find_mpiexec() is None, reason="no mpiexec installed"),
@@ -71,12 +74,13 @@ def workdir(folder, fault=None, max_iter=100000, sleep=0.01):
 class Run:
     """`caffepar train` in its own process group, its merged output collected as it comes."""
 
-    def __init__(self, folder, ranks=2, args=()):
+    def __init__(self, folder, ranks=2, args=(), command=None):
         path = os.pathsep.join(filter(None, [str(HERE / "mpi"), os.environ.get("PYTHONPATH")]))
         env = dict(os.environ, PYTHONPATH=path, OPENBLAS_NUM_THREADS="1",
                    OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "caffepar.cli", "train", "--solver", "solver.prototxt"]
         cmd += (["--np", str(ranks)] if ranks > 1 else []) + [str(a) for a in args]
+        cmd = command or cmd
         self.folder, self.ranks = folder, ranks
         self.proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,
@@ -201,9 +205,29 @@ def snapshots(folder):
                   for p in (folder / "snap").glob("tiny_iter_*.solverstate"))
 
 
+#: A log line, in glog's format (Caffe's): I1128 08:41:50.403989 23998 file.py:156] ...
+LOG_LINE = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ ]+:\d+\] ")
+
+
 def error_lines(output):
-    """The lines a user reads as the job's verdict (log lines and hydra's banners aside)."""
-    return [line for line in output.splitlines() if "caffepar:" in line or line == "aborted"]
+    """The lines a user reads as the job's verdict (log lines, warnings among them, aside)."""
+    return [line for line in output.splitlines()
+            if ("caffepar:" in line and not LOG_LINE.match(line)) or line == "aborted"]
+
+
+#: What the process manager prints of its own: never in a job's output.
+RAW_MPI = re.compile(r"^\[(proxy|mpiexec)[:@]|^YOUR APPLICATION TERMINATED|^=+$|"
+                     r"BAD TERMINATION|^Please see the FAQ page", re.M)
+
+
+def raw_mpi_lines(output):
+    return [m.group(0) for m in RAW_MPI.finditer(output)]
+
+
+def job_folders(launcher_pid):
+    """The job folders of the launcher with this pid."""
+    import tempfile
+    return list(Path(tempfile.gettempdir()).glob(f"caffepar-job-{launcher_pid}-*"))
 
 
 # ------------------------------------------------------------------------ signals
@@ -268,29 +292,49 @@ def test_sigterm_to_launcher_ends_every_process_with_a_snapshot(tmp_path, run):
 
 def test_sigkill_to_launcher_leaves_nothing_running(tmp_path, run):
     """The launcher cannot act on SIGKILL: mpiexec gets SIGTERM from the kernel and the ranks
-    snapshot and stop."""
+    snapshot and stop; their output still comes (the relay outlives the launcher), and the
+    relay removes the job folder the launcher could not."""
     job = run(workdir(tmp_path))
     job.wait_for("Iteration 20,")
     processes = job.processes()
+    assert job_folders(job.proc.pid)
     job.proc.kill()
     assert all_ended(processes, 20) == []
     assert len(snapshots(tmp_path)) == 1
+    job.reader.join(10)
+    assert "Signal SIGTERM received" in job.output and not raw_mpi_lines(job.output)
+    assert job_folders(job.proc.pid) == []
 
 
 # ------------------------------------------------------------------------ failures
-def test_killed_rank_ends_the_job_naming_it(tmp_path, run):
-    job = run(workdir(tmp_path))
+KILLED = {
+    "kill": (137, r"\[rank 1\] caffepar: killed by SIGKILL \(kill -9, or the kernel's "
+                  r"out-of-memory killer\)"),
+    "segv": (139, r"\[rank 1\] caffepar: killed by SIGSEGV \(segmentation fault\) at "
+                  r"faults\.py:\d+, in forward, calling string_at"),
+}
+
+
+@pytest.mark.parametrize("how", sorted(KILLED))
+def test_killed_rank_ends_the_job_naming_it_and_the_signal(tmp_path, run, how):
+    """kill -9 of rank 1, or a segmentation fault in its layer: one line naming the rank and
+    the signal (and, for a fault, where), status 128 + the signal's number; nothing of the
+    process manager's (its banner would blame the SIGKILL that ended the other rank)."""
+    job = run(workdir(tmp_path, {"rank": 1, "at": 25, "do": "segv"} if how == "segv" else None))
     pids = job.rank_pids()
     job.wait_for("Iteration 20,")
     processes = job.processes()
     t0 = time.monotonic()
-    os.kill(pids[1][0], signal.SIGKILL)
-    assert job.finish(30) == 1
+    if how == "kill":
+        os.kill(pids[1][0], signal.SIGKILL)
+    code, expected = KILLED[how]
+    assert job.finish(30) == code, job.output[-3000:]
     assert time.monotonic() - t0 < 30
     assert all_ended(processes, 10) == []
     lines = error_lines(job.output)
-    assert len(lines) == 1 and lines[0].startswith("[rank 1] caffepar: ended before the job "
-                                                   "finished"), job.output
+    assert len(lines) == 1 and re.fullmatch(expected, lines[0]), job.output[-3000:]
+    assert raw_mpi_lines(job.output) == [] and "Fatal Python error" not in job.output
+    assert job_folders(job.proc.pid) == []
 
 
 def test_killed_process_manager_ends_the_job(tmp_path, run):
@@ -301,7 +345,11 @@ def test_killed_process_manager_ends_the_job(tmp_path, run):
     os.kill(pids[1][1], signal.SIGKILL)     # the proxy that started the ranks
     assert job.finish(30) != 0
     assert all_ended(processes, 10) == []
-    assert len(error_lines(job.output)) == 1, job.output
+    lines = error_lines(job.output)
+    assert len(lines) == 1 and re.fullmatch(r"\[ranks? [0-9, ]+\] caffepar: lost its process "
+                                            r"manager \(its parent process ended\); stopped",
+                                            lines[0]), job.output[-3000:]
+    assert raw_mpi_lines(job.output) == [], job.output[-3000:]
 
 
 def cpu_seconds(pid):
@@ -332,19 +380,31 @@ def test_hung_rank_ends_within_the_watchdog_time(tmp_path, run):
                         r"\(\w+ .*\); rank 0 waited \d+ s there; ended the job", lines[0]), lines[0]
 
 
-def test_lost_launcher_ends_a_job_blocked_by_a_hung_rank(tmp_path, run):
-    """As a batch scheduler at its time limit: SIGTERM to the launcher, then SIGKILL, while
-    rank 1 hangs in a layer and rank 0 waits for it. No rank can stop at an iteration's end;
-    both end within seconds anyway, and so do mpiexec and its proxy."""
-    job = run(workdir(tmp_path, {"rank": 1, "at": 25, "do": "hang"}))
-    job.rank_pids()
+@pytest.mark.parametrize("fault", ["hang", "frozen"])
+def test_sigterm_ends_a_job_blocked_by_a_hung_rank_before_a_schedulers_sigkill(tmp_path, run,
+                                                                                fault):
+    """As a batch scheduler at its time limit (`timeout -k 10`): SIGTERM to the launcher's
+    process group while rank 1 hangs in a layer (`frozen`: stopped by SIGSTOP, so that its
+    watchdog cannot answer either) and rank 0 waits for it. No rank can stop at an iteration's
+    end; the job ends anyway, in one line (from the ranks' watchdog, else from the launcher),
+    before the SIGKILL that would follow 10 s later, leaving no process and no job folder."""
+    sigkill_after = 10                      # timeout -k 10, docker stop
+    job = run(workdir(tmp_path, {"rank": 1, "at": 25, "do": "hang"} if fault == "hang" else None))
+    pids = job.rank_pids()
     job.wait_for("Iteration 20,")
+    if fault == "frozen":
+        os.kill(pids[1][0], signal.SIGSTOP)
     time.sleep(2)                           # rank 1 hangs, rank 0 waits
     processes = job.processes()
-    job.proc.send_signal(signal.SIGTERM)
-    time.sleep(4)
-    job.proc.kill()
-    assert all_ended(processes, 20) == [], job.output
+    t0 = time.monotonic()
+    os.killpg(job.proc.pid, signal.SIGTERM)
+    assert job.finish(sigkill_after) == 1, job.output[-3000:]
+    assert time.monotonic() - t0 < sigkill_after
+    assert all_ended(processes, 5) == [], job.output
+    lines = error_lines(job.output)
+    assert len(lines) == 1 and "SIGTERM" in lines[0], lines
+    assert re.search(r"\brank 1\b" if fault == "hang" else r"\branks 0, 1\b", lines[0]), lines
+    assert raw_mpi_lines(job.output) == [] and job_folders(job.proc.pid) == []
 
 
 def test_rank_stuck_holding_the_interpreter_lock_ends(tmp_path, run):
@@ -499,31 +559,85 @@ def test_stale_job_folders_are_removed(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
 
 
-@pytest.mark.parametrize("fault", ["memory", "hang", "kill", "sys.exit", "exit0", "nan",
-                                   "sigterm"])
+def test_relay_passes_the_ranks_lines_and_drops_the_process_managers(tmp_path):
+    """The relay between mpiexec and the launcher's output: every line of the ranks as it came
+    (a line cut across reads, an unfinished line at the end, blank lines), none of hydra's
+    (its diagnostics, its banner and the blank lines before it), from both streams."""
+    from caffepar.parallel import relay
+    ranks = (b"I1128 solver.py:1] Iteration 0, loss = 2.3\n\n"
+             b"[rank 1] caffepar: killed by SIGKILL\n  indented\n= not a banner\n")
+    hydra = (b"\n\n" + b"=" * 83 + b"\n=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n"
+             b"=   PID 1 RUNNING AT vm\n" + b"=" * 83 + b"\n"
+             b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)\n"
+             b"This typically refers to a problem with your application.\n"
+             b"Please see the FAQ page for debugging suggestions\n"
+             b"[proxy:0@vm] HYD_pmcd_pmip_control_cmd_cb (proxy/pmip_cb.c:1): assert failed\n"
+             b"[mpiexec@node-1] control_cb (pmiserv_cb.c:280): assert (!closed) failed\n")
+    written = {}
+    for name, data in (("out", ranks + hydra + b"last, unfinished"), ("err", hydra + ranks)):
+        r, w = os.pipe()
+        target = tmp_path / name
+        with open(target, "wb") as f:
+            pid = os.fork()
+            if pid == 0:                        # the writer, in pieces cut mid-line
+                os.close(r)
+                for i in range(0, len(data), 7):
+                    os.write(w, data[i:i + 7])
+                os._exit(0)
+            os.close(w)
+            relay.relay([relay.Stream(r, f.fileno())])
+            os.waitpid(pid, 0)
+            os.close(r)
+        written[name] = target.read_bytes()
+    assert written == {"out": ranks + b"last, unfinished", "err": ranks}
+
+
+def test_line_for_a_rank_killed_by_a_signal_names_where():
+    """From the stacks Python's faulthandler writes at a fatal signal: the innermost frame of
+    the user's or caffepar's code, and the call into a library it was in."""
+    from caffepar.parallel.supervise import death_line
+    stacks = ('Fatal Python error: Segmentation fault\n\nThread 0x7f01 (most recent call '
+              'first):\n  File "/usr/lib/python3.11/threading.py", line 320 in wait\n\n'
+              'Current thread 0x7f02 (most recent call first):\n'
+              f'  File "{os.path.dirname(os.__file__)}/ctypes/__init__.py", line 519 in '
+              'string_at\n  File "/home/u/net/layers.py", line 12 in forward\n'
+              f'  File "{HERE.parent}/caffepar/nn/python_layer.py", line 30 in forward\n\n'
+              'Extension modules: numpy.core._multiarray_umath\n')
+    assert death_line(1, signal.SIGSEGV, stacks) == (
+        "[rank 1] caffepar: killed by SIGSEGV (segmentation fault) at layers.py:12, in "
+        "forward, calling string_at")
+    assert death_line(0, signal.SIGBUS) == "[rank 0] caffepar: killed by SIGBUS (bus error)"
+    assert death_line(3, signal.SIGKILL) == ("[rank 3] caffepar: killed by SIGKILL (kill -9, or "
+                                             "the kernel's out-of-memory killer)")
+
+
+@pytest.mark.parametrize("fault", ["memory", "hang", "kill", "segv", "sys.exit", "exit0",
+                                   "nan", "sigterm"])
 def test_plain_mpiexec_status_tells_the_failure(tmp_path, fault):
     """Under a plain `mpiexec -n 2 caffepar train` (a cluster's launch) a job that ends badly
-    exits non-zero, with one line naming the rank (the process manager's own banner for a
-    killed rank), also when a rank ends its process with status 0 (MPICH's mpiexec would exit
-    0). SIGTERM to mpiexec snapshots and stops: status 0, as one process."""
+    exits non-zero, with one line naming the rank, also when a rank ends its process with
+    status 0 (MPICH's mpiexec would exit 0), and when it is killed by a signal: its supervising
+    parent names the signal and ends the job with status 128 + its number, before hydra's
+    clean-up and without its banner. SIGTERM to mpiexec snapshots and stops: status 0, as one
+    process."""
     own = fault in ("kill", "sigterm")
     folder = workdir(tmp_path, None if own else {"rank": 1, "at": 12, "do": fault})
     path = os.pathsep.join(filter(None, [str(HERE / "mpi"), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([find_mpiexec(), "-n", "2", sys.executable, "-m", "caffepar.cli",
-                             "train", "--solver", "solver.prototxt", "--watchdog", "2"],
+    debug = ["--debug"] if fault == "segv" else []      # the crash's stacks in full too
+    proc = subprocess.Popen([find_mpiexec(), "-n", "2", sys.executable, "-m", "caffepar.cli"] +
+                            debug + ["train", "--solver", "solver.prototxt", "--watchdog", "2"],
                             cwd=folder, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        if fault == "kill":
-            pid = wait_until(lambda: (folder / "pids/rank1.pid").exists(), 60)
-            assert pid
-            time.sleep(1)
-            os.kill(int((folder / "pids/rank1.pid").read_text().split()[0]), signal.SIGKILL)
-        elif fault == "sigterm":
+        if own:
             assert wait_until(lambda: (folder / "pids/rank1.pid").exists(), 60)
             time.sleep(1)
-            proc.send_signal(signal.SIGTERM)
+            if fault == "kill":
+                os.kill(int((folder / "pids/rank1.pid").read_text().split()[0]),
+                        signal.SIGKILL)
+            else:
+                proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -532,23 +646,28 @@ def test_plain_mpiexec_status_tells_the_failure(tmp_path, fault):
         assert proc.returncode == 0 and len(snapshots(folder)) == 1, out[-2000:]
         assert error_lines(out) == [], out[-2000:]
         return
-    assert proc.returncode != 0, out[-2000:]
-    if fault != "kill":
-        lines = error_lines(out)
-        if fault == "nan":      # every rank sees the loss; each names its first non-finite top
-            assert all("the loss is nan" in line for line in lines), out[-2000:]
-            assert any(line.startswith("[rank 1]") and '"fault"' in line for line in lines)
-        else:
-            assert len(lines) == 1 and "rank 1" in lines[0], out[-2000:]
-        assert "Traceback" not in out
+    lines = error_lines(out)
+    if fault in KILLED:
+        assert proc.returncode == KILLED[fault][0], out[-2000:]
+        assert len(lines) == 1 and re.fullmatch(KILLED[fault][1], lines[0]), out[-2000:]
+        assert ("Fatal Python error: Segmentation fault" in out) == bool(debug), out[-2000:]
+    elif fault == "nan":      # every rank sees the loss; each names its first non-finite top
+        assert proc.returncode == 1, out[-2000:]
+        assert all("the loss is nan" in line for line in lines), out[-2000:]
+        assert any(line.startswith("[rank 1]") and '"fault"' in line for line in lines)
+    else:
+        assert proc.returncode == 1, out[-2000:]
+        assert len(lines) == 1 and "rank 1" in lines[0], out[-2000:]
+    assert "Traceback" not in out and raw_mpi_lines(out) == [], out[-2000:]
 
 
-@pytest.mark.parametrize("record, killed", [(None, True), ("1\n[rank 1] caffepar: error\n", True),
-                                            ("0\n", False)])
-def test_launcher_ends_the_others_once_it_saw_which_rank_ended(tmp_path, record, killed):
+@pytest.mark.parametrize("record, killed, grace", [
+    (None, True, False), ("1\n[rank 1] caffepar: error\n", True, True), ("0\n", False, False)])
+def test_launcher_ends_the_others_once_it_saw_which_rank_ended(tmp_path, record, killed, grace):
     """hydra's clean-up is off under the launcher (it killed the other ranks before the
     launcher could see which ended first): a rank that ended without finishing, with no end
-    record or a failure's, has the launcher end the others; one that finished does not."""
+    record or a failure's, has the launcher end the others (after a grace that lets them report
+    the same error, when the first gave one); one that finished does not."""
     from caffepar.parallel.launch import Job, _own_cleanup, find_mpiexec
     assert _own_cleanup(find_mpiexec()) == ["-disable-auto-cleanup"]       # the mpich wheel's
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -559,6 +678,10 @@ def test_launcher_ends_the_others_once_it_saw_which_rank_ended(tmp_path, record,
         if record:
             (tmp_path / "rank1.end").write_text(record)
         job._end_after_failure()
+        if grace:
+            assert other.poll() is None and not job.ending
+            job.failed_since -= Job.FAILURE_GRACE
+            job._end_after_failure()
         ended = other.wait(10) if killed else other.poll()
         assert (ended == -signal.SIGKILL) if killed else ended is None
     finally:
@@ -586,3 +709,26 @@ def test_rank_that_vanished_first_is_blamed_not_the_one_whose_mpi_failed(tmp_pat
     assert job._report() == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("[rank 1] caffepar: ended before the job finished")
+
+
+def test_parallel_package_imports_have_no_circle():
+    """Every import between caffepar.parallel's modules (also those inside functions) points one
+    way: the package reads top-down (ranks.py under both launch.py and comm.py)."""
+    import ast
+    folder = HERE.parent / "caffepar" / "parallel"
+    graph = {}
+    for path in folder.glob("*.py"):
+        mine = graph.setdefault(path.stem, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            mine.update(n.split(".")[2] for n in names
+                        if n.startswith("caffepar.parallel.") and n.count(".") >= 2)
+
+    def reaches(start, goal, seen=()):
+        return any(m == goal or (m not in seen and reaches(m, goal, seen + (m,)))
+                   for m in graph.get(start, ()))
+    circles = sorted(m for m in graph if reaches(m, m))
+    assert not circles, f"modules on an import circle: {circles}"
+    assert {"launch", "comm"} & graph["ranks"] == set() and "ranks" in graph["comm"] & \
+        graph["launch"]

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -341,6 +342,11 @@ def test_ranks_of_one_node_share_memory_not_the_link(lab, tmp_path):
     assert {r["sum"] for r in rows} == {10.0}
 
 
+def job_folders(launcher):
+    """The job folders of the `netlab run` launcher with this pid."""
+    return list(Path(tempfile.gettempdir()).glob(f"caffepar-job-{launcher}-*"))
+
+
 def train_folder(tmp_path, sleep=0.02):
     sys.path.insert(0, str(HERE))
     from test_jobs import workdir
@@ -411,7 +417,7 @@ def test_sigint_ends_the_run_and_removes_its_lab(tmp_path):
     out = run.output
     assert code == 0, out[-2000:]
     assert "Optimization stopped early" in out, out[-2000:]
-    assert namespaces(name) == []
+    assert namespaces(name) == [] and job_folders(run.proc.pid) == []
     assert "Traceback" not in out
 
 
@@ -428,6 +434,7 @@ def test_down_removes_what_a_killed_run_left(tmp_path, lab):
     down = caffepar("netlab", "down", "--name", one.name)
     assert down.returncode == 0, down.stderr
     assert namespaces(one.name) == []
+    assert job_folders(run.proc.pid) == []      # the killed launcher's
     leftover = [p for p in Path("/proc").iterdir() if p.name.isdigit()
                 and _cwd_is(p, folder)]
     assert leftover == [], leftover
@@ -481,6 +488,7 @@ def test_link_down_mid_run_ends_the_job_naming_the_ranks(tmp_path, lab):
                         ("straight", ())):
         again = LabRun(folder, one.name, train=train)
         assert again.finish(60) == 0, again.output[-3000:]
+        assert job_folders(again.proc.pid) == []        # a lab run leaves no job folder
         logs[name] = again.output
         final.rename(folder / f"{name}.caffemodel")
     assert f"Restoring previous solver status from snap/tiny_iter_{last}.solverstate" in \

@@ -464,7 +464,8 @@ def test_solver_parameter_errors(tmp_path, monkeypatch):
         caffe.get_solver(solver_param(train_net="net.prototxt", test_net=["net.prototxt"]))
     with pytest.raises(SolverError, match="snapshot_prefix"):
         caffe.get_solver(solver_param(net="net.prototxt", snapshot=10))
-    with pytest.raises(SolverError, match="Cannot write to snapshot prefix"):
+    with pytest.raises(SolverError, match=r'^no/such/dir: error: no such folder, for '
+                                          r'snapshot_prefix "no/such/dir/x"; create it'):
         caffe.get_solver(solver_param(net="net.prototxt", snapshot=10,
                                       snapshot_prefix="no/such/dir/x"))
     with pytest.raises(SolverError, match="unknown solver type"):

@@ -281,6 +281,9 @@ def read_caffemodel(path):
     path = os.fspath(path)
     if not os.path.exists(path):
         raise MissingFileError(path, "weights file")
+    if os.path.isfile(path) and os.path.getsize(path) == 0:     # protobuf reads it as no layers
+        raise WeightsError("empty file (0 bytes: cut short while being written or copied?)",
+                           path=path)
     if is_hdf5(path):
         return _read_hdf5(path)
     return _read_binary(path)
@@ -495,7 +498,12 @@ def atomic_write(path, writer, binary=True):
     `path`."""
     path = os.fspath(path)
     folder, name = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=TEMP_SUFFIX, dir=folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=TEMP_SUFFIX, dir=folder)
+    except OSError as e:        # named as the user knows it: the file, or its missing folder
+        missing = isinstance(e, FileNotFoundError)
+        raise OSError(e.errno, e.strerror, os.path.dirname(path) or "." if missing else path) \
+            from None
     try:
         os.fchmod(fd, file_mode(path))
         if binary:

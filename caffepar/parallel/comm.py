@@ -18,6 +18,9 @@ from collections import defaultdict, deque
 
 import numpy as np
 
+from caffepar.parallel.ranks import (LAUNCHER_VAR, abort_all, mpi_failure, process_alive,
+                                     stuck_file)
+
 
 class CommStats:
     """Seconds, bytes and calls per (layer, operation); `take()` returns and resets them."""
@@ -574,9 +577,10 @@ class Watchdog:
       seconds. A late rank that says it is writing a snapshot is waited for (up to BUSY_MAX).
     - This rank's parent (the process manager's proxy) or caffepar's launcher has died: the job
       cannot end normally; the rank is asked to stop (a snapshot, as SIGTERM).
-    - This rank was asked to stop but is still running GRACE seconds later (or 3 times its
-      longest computation between collectives), not writing a snapshot: blocked in a collective
-      or a hung layer. It ends at once, naming the rank the job waits for.
+    - This rank was asked to stop but is still running STOP_GRACE seconds later (or 3 times
+      its longest computation between collectives), not writing a snapshot: blocked in a
+      collective or a hung layer. It ends at once, naming the rank the job waits for (within
+      the launcher's Job.STOP_LIMIT after a SIGTERM, as a scheduler gives).
     The training thread only notes which collective it is in; the watchdog looks once a second.
 
     All of that is Python, and needs the interpreter lock: a rank stuck in compiled code that
@@ -590,12 +594,12 @@ class Watchdog:
     INTERVAL = 1.0
     FLOOR, FIRST, FACTOR = 60.0, 300.0, 20.0
     GRACE = 10.0
+    STOP_GRACE = 5.0
     BUSY_MAX = 3600.0
     QUERY, ANSWER = 7301, 7302
 
     def __init__(self, comm, timeout=None):
         import threading
-        from caffepar.parallel.launch import LAUNCHER_VAR
         self.comm = comm
         self.timeout = None if timeout is None else float(timeout)
         self.MPI = comm.MPI
@@ -634,7 +638,6 @@ class Watchdog:
             faulthandler.cancel_dump_traceback_later()
             return
         if self.stuck_file is None:
-            from caffepar.parallel.launch import stuck_file
             self.stuck_file = stuck_file(self.comm)
         faulthandler.dump_traceback_later(limit + self.GRACE, exit=True, file=self.stuck_file)
 
@@ -672,25 +675,33 @@ class Watchdog:
         return time.monotonic() - since
 
     def _check_parents(self):
-        from caffepar.parallel.launch import process_alive
         if self.orphaned:
             return
+        why = self.lost()
+        if why:
+            self.orphaned = why
+            self.comm.note_stop(why)
+            os.kill(os.getpid(), signal.SIGTERM)        # snapshot and stop, if it can
+
+    def lost(self):
+        """Why this rank cannot end normally, when its parent (the process manager's proxy, or
+        the parent that supervises it, which ends with the proxy) or caffepar's launcher has
+        died; else None. Also asked when the rank finishes: a SIGTERM sent as its parent
+        died may have stopped it before the watchdog looked."""
+        if self.orphaned:
+            return self.orphaned
         if os.getppid() != self.parent:
-            why = f"lost its process manager (parent process {self.parent} ended)"
-        elif self.launcher is not None and not process_alive(self.launcher):
-            why = "lost caffepar's launcher (it ended)"
-        else:
-            return
-        self.orphaned = why
-        self.comm.note_stop(why)
-        os.kill(os.getpid(), signal.SIGTERM)        # snapshot and stop, if it can
+            return "lost its process manager (its parent process ended)"
+        if self.launcher is not None and not process_alive(self.launcher):
+            return "lost caffepar's launcher (it ended)"
+        return None
 
     def _check_stop(self, request, query):
-        """Asked to stop GRACE seconds ago and still running: end now."""
+        """Asked to stop STOP_GRACE seconds ago and still running: end now."""
         comm = self.comm
         if comm.stop_since is None or comm.busy_with:
             return request
-        grace = max(self.GRACE, 3 * comm.longest_gap)
+        grace = max(self.STOP_GRACE, 3 * comm.longest_gap)
         if time.monotonic() - comm.stop_since < grace:
             return request
         waiting = comm.waiting
@@ -760,7 +771,8 @@ class Watchdog:
     def _expired(self, waiting, request, query, limit, stopping=False):
         """This rank has waited `limit` s in `waiting` (or was asked to stop while waiting):
         end the job naming the ranks that did not come, unless a late one is writing a
-        snapshot, or a lower rank that waits there too will say it."""
+        snapshot, a lower rank that waits there too will say it, or (asked to stop) the late
+        ranks answer and compute: they were asked too, and say where they are stuck."""
         number, op, tag, since = waiting
         comm = self.comm
         # orphaned: no launcher reads the line, and the ranks asked may be gone (5 s lost)
@@ -784,8 +796,12 @@ class Watchdog:
                                                            for r in late):
             self.patience = (number, time.monotonic())      # a snapshot: wait on
             return request
-        if waiters[0] != comm.rank and waited < 2 * (limit or self.GRACE):
+        if waiters[0] != comm.rank and waited < 2 * (limit or self.STOP_GRACE):
             return request                                  # the lower rank says it
+        if stopping and late and all(r in answers and not answers[r][1] for r in late) and \
+                time.monotonic() - comm.stop_since < 2 * max(self.STOP_GRACE,
+                                                             3 * comm.longest_gap):
+            return request      # late ranks that compute, asked to stop too, say where they are
         several_hosts = len(set(self.hosts)) > 1
         who = []
         for r in late:
@@ -806,26 +822,8 @@ class Watchdog:
         return request
 
     def _end_job(self, line):
-        from caffepar.parallel.launch import abort_all
         # unreachable: MPI_Abort would block too, as the sends did
         abort_all(self.comm, line, hard=bool(self.orphaned) or self.unreachable is not None)
-
-
-#: How a rank reports an MPI call that failed: most often the consequence of another rank, or
-#: the link to it, gone (the launcher then names that rank instead).
-MPI_FAILED = "caffepar: MPI failed"
-
-
-def mpi_failure(error):
-    """One line for an exception of mpi4py (its text is MPICH's whole error stack), or None."""
-    if type(error).__module__ != "mpi4py.MPI" or not hasattr(error, "Get_error_class"):
-        return None
-    try:
-        from mpi4py import MPI
-        what = MPI.Get_error_string(error.Get_error_class())
-    except Exception:           # noqa: BLE001 - the line must come out whatever MPI's state
-        what = str(error).partition("\n")[0].split(", error stack")[0]
-    return f"{MPI_FAILED} ({what}): another rank, or the link to it, is gone?"
 
 
 _LAUNCH_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",

@@ -8,10 +8,13 @@ of its own, so group signals never reach it: hydra's mpiexec force-kills the job
 SIGINT and dies of SIGHUP. If the launcher itself is killed, even by SIGKILL, the kernel sends
 mpiexec SIGTERM (Linux's parent-death signal), which it forwards to the ranks: they snapshot and
 stop; each rank also checks that the launcher is alive (the same request where there is no
-parent-death signal). Ranks note in a job folder their pid and how they ended; the launcher
-prints each failure once, as one line naming the rank, and names a rank that ended without a
-word (killed, or exited on its own). The launcher, not hydra, ends the other ranks after a
-failure, once it has seen which rank ended first.
+parent-death signal). Ranks note in a job folder their pid and how they ended (a rank killed
+by a signal: its supervising parent, supervise.py); the launcher prints each failure once, as
+one line naming the rank. The launcher, not hydra, ends the other ranks after a failure, once it
+has seen which rank ended first. After SIGTERM (a scheduler's time limit) the job ends within
+STOP_LIMIT seconds, before the usual SIGKILL that follows it (`timeout -k 10`, docker stop,
+Slurm's KillWait). mpiexec's output reaches the launcher's stdout and stderr through a relay
+(relay.py) that drops the process manager's own lines and outlives a killed launcher.
 """
 import os
 import re
@@ -25,11 +28,9 @@ import tempfile
 import time
 
 from caffepar._threads import threads_per_rank
-from caffepar.parallel.comm import MPI_FAILED
-
-#: Set by `relaunch` for the ranks: the job folder, and the launcher's pid.
-JOB_DIR_VAR = "CAFFEPAR_JOB_DIR"
-LAUNCHER_VAR = "CAFFEPAR_LAUNCHER_PID"
+from caffepar.parallel.ranks import (JOB_DIR_VAR, LAUNCHER_VAR, MPI_FAILED, process_alive,
+                                     stuck_line)
+from caffepar.parallel.relay import JOB_PREFIX
 
 FORWARDED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
                   if hasattr(signal, name))
@@ -81,8 +82,11 @@ def transport_environment(name):
     return dict(TRANSPORTS[name])
 
 
-#: A job folder's name: the prefix, the launcher's pid, a dash and a random part.
-JOB_PREFIX = "caffepar-job-"
+def job_folder():
+    """A new job folder: named by the prefix, the launcher's pid, a dash and a random part (so
+    that the next launch can tell a killed launcher's folder from a running one's)."""
+    remove_stale_job_folders()
+    return tempfile.mkdtemp(prefix=f"{JOB_PREFIX}{os.getpid()}-")
 
 
 def remove_stale_job_folders(where=None):
@@ -137,8 +141,7 @@ def relaunch(ranks, argv, threads=None, mpiexec=None, transport=None):
             env[var] = n
     env["CAFFEPAR_MPI"] = "1"
     env.update(transport_environment(transport or os.environ.get("CAFFEPAR_TRANSPORT", "shm")))
-    remove_stale_job_folders()
-    folder = tempfile.mkdtemp(prefix=f"{JOB_PREFIX}{os.getpid()}-")
+    folder = job_folder()
     env[JOB_DIR_VAR] = folder
     env[LAUNCHER_VAR] = str(os.getpid())
     cmd = [exe] + _own_cleanup(exe) + _other_mpi(exe, ranks) + [
@@ -182,46 +185,92 @@ class Job:
 
     POLL, STARTING = 0.25, 0.02
     """Seconds between looks at the job folder for ranks that have started (until all have)."""
+    STOP_LIMIT = 8.0
+    """Seconds the ranks have to end after SIGTERM before the launcher ends them."""
+    RELAY_WAIT = 3.0
+    """Seconds the relay may take to pass on the job's last output once mpiexec has ended."""
+    FAILURE_GRACE = 1.0
+    """Seconds the other ranks get to end on their own once one has failed with a reason: they
+    often meet the same error (a file every rank reads), and each is named. None after a
+    SIGTERM, whose time is short."""
 
     def __init__(self, cmd, env, folder, size):
         self.cmd, self.env, self.folder, self.size = cmd, env, folder, size
         self.host = socket.gethostname()
         self.registered = set()  # ranks that have written their pid
         self.pids = {}          # rank -> pid, for the ranks on this host
+        self.ended = set()      # ranks the launcher ended
         self.pidfds = {}        # pidfd -> rank (None: mpiexec)
         self.gone = []          # ranks in the order they were seen to end
         self.received = []      # signals the launcher got
         self.poller = select.poll() if hasattr(os, "pidfd_open") else None
         self.proc = None
+        self.relay = None
+        self.failed_since = None     # when a rank was first seen to fail
         self.ending = False      # a rank failed: the others are being ended
+        self.stop_by = None      # SIGTERM came: when the job must have ended
+        self.cut = False         # ... and it had not: the launcher ended it
 
     # ---- running
     def run(self):
         from caffepar import _signals
         noted = _signals.take()     # signals that came while the launcher started
         previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
-        self.received += noted
+        for sig in noted:
+            self._note(sig)
         try:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.DEVNULL,
-                                         start_new_session=True,
-                                         preexec_fn=_parent_death_signal())
+            out, err = self._start_relay()
+            try:
+                self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.DEVNULL,
+                                             stdout=out, stderr=err, start_new_session=True,
+                                             preexec_fn=_parent_death_signal())
+            finally:
+                for fd in (out, err):
+                    if fd is not None:
+                        os.close(fd)
             self._watch(None, self.proc.pid)
             while self.proc.poll() is None:
                 self._register()
                 self._wait()
                 self._end_after_failure()
+                self._end_when_overdue()
             self._register()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         self._end_leftovers()
+        self._wait_for_relay()
         return self._report()
 
+    def _start_relay(self):
+        """Pipes for mpiexec's stdout and stderr, read by the relay (relay.py); (None, None),
+        mpiexec's output left as it is, when it cannot start."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "relay.py")
+        try:
+            self.relay = subprocess.Popen(
+                [sys.executable, "-I", "-S", script, str(out_r), str(err_r), self.folder,
+                 str(os.getpid())], pass_fds=(out_r, err_r), stdin=subprocess.DEVNULL,
+                start_new_session=True)
+        except OSError:
+            for fd in (out_r, out_w, err_r, err_w):
+                os.close(fd)
+            return None, None
+        os.close(out_r)
+        os.close(err_r)
+        return out_w, err_w
+
     def _forward(self, signum, frame):
-        self.received.append(signum)
+        self._note(signum)
         for rank, pid in self.pids.items():
             if rank not in self.gone:
                 _signal(pid, signum)
+
+    def _note(self, signum):
+        self.received.append(signum)
+        if signum == signal.SIGTERM and self.stop_by is None:
+            self.stop_by = time.monotonic() + self.STOP_LIMIT
 
     def _watch(self, rank, pid):
         if self.poller is None:
@@ -264,6 +313,10 @@ class Job:
     def _wait(self):
         """Until a rank or mpiexec ends, a signal comes, or POLL seconds pass."""
         timeout = self.POLL if len(self.registered) == self.size else self.STARTING
+        for until in (self.stop_by, None if self.failed_since is None or self.ending
+                      else self.failed_since + self.FAILURE_GRACE):
+            if until is not None:
+                timeout = max(0.0, min(timeout, until - time.monotonic()))
         if self.poller is None:
             time.sleep(timeout)
             for rank, pid in self.pids.items():
@@ -277,19 +330,47 @@ class Job:
             if rank is not None:
                 self.gone.append(rank)
 
+    def _end_rank(self, rank):
+        """SIGKILL to a rank on this host (what its supervising parent then reports of it is
+        not the job's story)."""
+        self.ended.add(rank)
+        _signal(self.pids[rank], signal.SIGKILL)
+
     def _end_after_failure(self):
         """A rank that ended without finishing (no end record, or a failure's): the others
         cannot go on, and are ended (SIGKILL, as hydra's own clean-up), now that the launcher
-        knows which rank ended first."""
+        knows which rank ended first; after FAILURE_GRACE, unless it vanished without a
+        word."""
         if self.ending or not self.gone:
             return
         ends = self._ends()
-        if all(ends.get(r, (1, ""))[0] == 0 for r in self.gone):
+        failed = [r for r in self.gone if ends.get(r, (1, ""))[0] != 0]
+        if not failed:
             return
+        if self.failed_since is None:
+            self.failed_since = time.monotonic()
+        alive = [r for r in self.pids if r not in self.gone]
+        if alive and failed[0] in ends and self.stop_by is None and \
+                time.monotonic() - self.failed_since < self.FAILURE_GRACE:
+            return      # (after SIGTERM time is short: no grace)
         self.ending = True
-        for rank, pid in self.pids.items():
+        for rank in alive:
+            self._end_rank(rank)
+
+    def _end_when_overdue(self):
+        """SIGTERM came STOP_LIMIT seconds ago and the job still runs (a rank blocked where it
+        cannot stop, or stopping slowly): the launcher ends every rank and mpiexec, and reports
+        it, rather than leave that to the SIGKILL a scheduler sends after its grace."""
+        if self.stop_by is None or self.cut or time.monotonic() < self.stop_by:
+            return
+        self.cut = True
+        for rank in self.pids:
             if rank not in self.gone:
-                _signal(pid, signal.SIGKILL)
+                self._end_rank(rank)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)     # mpiexec and its proxies
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def _end_leftovers(self):
         """Ranks still running once mpiexec has ended (a process manager killed under them):
@@ -304,20 +385,30 @@ class Job:
             os.close(fd)
         self.pidfds.clear()
         left = [r for r, pid in self.pids.items() if r not in self.gone and process_alive(pid)]
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + (0.0 if self.cut else 2.0)
         while left and time.monotonic() < deadline:
             time.sleep(0.05)
             left = [r for r in left if process_alive(self.pids[r])]
         for rank in left:
-            _signal(self.pids[rank], signal.SIGKILL)
+            self._end_rank(rank)
             self.gone.append(rank)
 
+    def _wait_for_relay(self):
+        """The job's last output passed on before the launcher's report. A process left
+        holding the pipes keeps the relay going on its own."""
+        if self.relay is not None:
+            try:
+                self.relay.wait(self.RELAY_WAIT)
+            except subprocess.TimeoutExpired:
+                pass
+
     # ---- the outcome
-    def _ends(self):
-        """{rank: (exit status, report line)} from the ranks' end records."""
+    def _ends(self, kind="end"):
+        """{rank: (exit status, report line)} from the ranks' end records (`killed`: those
+        their supervising parents wrote of ranks killed by a signal)."""
         ends = {}
         for name in os.listdir(self.folder):
-            found = re.fullmatch(r"rank(\d+)\.end", name)
+            found = re.fullmatch(rf"rank(\d+)\.{kind}", name)
             if found:
                 with open(os.path.join(self.folder, name), encoding="utf-8",
                           errors="replace") as f:
@@ -325,56 +416,61 @@ class Job:
                 ends[int(found.group(1))] = (int(code), line.strip())
         return ends
 
+    def _all_ends(self):
+        """The end records, with a rank killed by a signal counted for the first rank seen to
+        end (or any, where the launcher sees no rank: other hosts) but never for a rank the
+        launcher ended, nor one killed after the first (by its process manager's clean-up)."""
+        ends = self._ends()
+        first = self.gone[0] if self.gone else None
+        for rank, record in self._ends("killed").items():
+            if rank not in ends and rank not in self.ended and first in (None, rank):
+                ends[rank] = record
+        return ends
+
     def _report(self):
         status = self.proc.returncode
-        ends = self._ends()
+        ends = self._all_ends()
         failed = [(r, code, line) for r, (code, line) in sorted(ends.items()) if code]
         first = self.gone[0] if self.gone else None
         if failed and first is not None and first not in ends:
             failed = []     # the others' errors follow from the rank that vanished first
-        if any(r not in ends for r in range(self.size)):    # and an MPI failure, from any
-            failed = [f for f in failed if MPI_FAILED not in f[2]]
+        missing = [r for r in range(self.size) if r not in ends]
+        if missing or any(MPI_FAILED not in f[2] for f in failed):
+            failed = [f for f in failed if MPI_FAILED not in f[2]]  # a consequence
         if failed:
             _say(merge_rank_lines([line for _r, _c, line in failed]))
-            return failed[0][1]
-        missing = [r for r in range(self.size) if r not in ends]
+            return next((code for r, code, _l in failed if r == first), failed[0][1])
         if not missing:
             return status
+        if self.cut:
+            _say([f"caffepar: SIGTERM received; {_label(missing)} had not stopped "
+                  f"{self.STOP_LIMIT:g} s later (blocked in a layer or a collective?); "
+                  "ended the job"])
+            return 1
         if self.received and status == self.received[-1]:
             return -status      # hydra's status for ranks killed by that signal
         if status < 0:
             _say([f"caffepar: mpiexec (the process manager) was ended by "
-                  f"{signal.Signals(-status).name}; ranks {_ranks(missing)} did not finish"])
+                  f"{signal.Signals(-status).name}; {_label(missing)} did not finish"])
             return 1
         stuck = [line for line in map(self._stuck, missing) if line]
         if stuck:
             _say(merge_rank_lines(stuck))
             return 1
         first = [r for r in self.gone if r in missing][:1] or missing
-        label = f"[rank {first[0]}]" if len(first) == 1 else f"[ranks {_ranks(first)}]"
-        _say([f"{label} caffepar: ended before the job finished, without an error message "
-              f"(killed by a signal, or exited on its own); mpiexec's exit status {status}"])
+        _say([f"[{_label(first)}] caffepar: ended before the job finished, without an error "
+              "message (killed, or exited on its own)"])
         return 1
 
     def _stuck(self, rank):
-        """The report line of a rank ended by its watchdog's last resort (stuck holding the
-        interpreter lock; Watchdog.backstop), from the stacks it wrote, or None."""
+        """The report line of a rank ended by its watchdog's last resort, from the stacks it
+        wrote in the job folder, or None."""
         try:
             with open(os.path.join(self.folder, f"rank{rank}.stuck"), encoding="utf-8",
                       errors="replace") as f:
-                text = f.read()
+                return stuck_line(rank, f.read())
         except OSError:
             return None
-        found = re.match(r"Timeout \((\d+):(\d+):(\d+)", text)
-        if not found:
-            return None
-        h, m, sec = map(int, found.groups())
-        main = text.rstrip().split("\n\n")[-1]       # the main thread's stack comes last
-        frame = re.search(r'File "([^"]*)", line (\d+) in (\S+)', main)
-        where = f" ({os.path.basename(frame.group(1))}:{frame.group(2)}, in {frame.group(3)})" \
-            if frame else ""
-        return (f"[rank {rank}] caffepar: stuck {3600 * h + 60 * m + sec} s in compiled code "
-                f"that holds the interpreter lock{where}; ended")
 
 
 def _signal(pid, signum):
@@ -384,25 +480,12 @@ def _signal(pid, signum):
         pass
 
 
-def process_alive(pid):
-    """True while process `pid` runs (a zombie, ended but not yet reaped, does not count)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return not os.path.isdir("/proc/self")
-    except (OSError, IndexError):
-        return True
-
-
 def _ranks(ranks):
     return ", ".join(str(r) for r in ranks)
+
+
+def _label(ranks):
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranks(ranks)}"
 
 
 def _say(lines):
@@ -448,115 +531,3 @@ def _parent_death_signal():
             os._exit(1)
 
     return set_signal
-
-
-# ------------------------------------------------------------------------ the ranks' side
-def _job_file(comm, kind):
-    folder = os.environ.get(JOB_DIR_VAR)
-    return os.path.join(folder, f"rank{comm.rank}.{kind}") if folder else None
-
-
-def _write_job_file(path, text):
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def register_rank(comm):
-    """Tell the launcher (if caffepar's launcher started this job) which process is this rank;
-    from now on the rank cannot end the job unseen (guard_exit)."""
-    path = _job_file(comm, "pid")
-    if path:
-        try:
-            _write_job_file(path, f"{os.getpid()} {socket.gethostname()}\n")
-        except OSError:     # a rank on another host, without the launcher's folder
-            pass
-    guard_exit(comm)
-
-
-def stuck_file(comm):
-    """Where the watchdog's last resort writes the stacks of a rank stuck holding the
-    interpreter lock: `rank<r>.stuck` in the job folder (the launcher reports it), else stderr."""
-    path = _job_file(comm, "stuck")
-    if path:
-        try:
-            return open(path, "w", encoding="utf-8")
-        except OSError:
-            pass
-    return sys.stderr
-
-
-_os_exit = os._exit
-
-
-def guard_exit(comm):
-    """os._exit in this rank (a Python layer ending its process) before the job ends ends the
-    job through abort_all: non-zero, in one line naming the rank.
-
-    A rank that just vanishes cannot be reported by the others: MPICH's mpiexec kills them at
-    once (SIGKILL, before they can act) and, when the vanished rank's status was 0, exits 0
-    itself, so a scheduler would record a failed job as a success. Processes forked by the rank
-    (their os._exit ends only them) are left alone."""
-    owner = os.getpid()
-
-    def _exit(code):
-        if os.getpid() == owner:
-            abort_all(comm, f"[rank {comm.rank}] caffepar: exited (os._exit({code})) before "
-                      "the job finished", code or 1)
-        _os_exit(code)
-
-    os._exit = _exit
-
-
-def finish_rank(comm):
-    """This rank ended normally (stopped early when its process manager or launcher died: the
-    job did not end as it should, which its status says)."""
-    lost = comm.watchdog.orphaned if comm.watchdog is not None else None
-    comm.stop_watchdog()
-    if lost:
-        abort_all(comm, f"[rank {comm.rank}] caffepar: {lost}; stopped", hard=True)
-    path = _job_file(comm, "end")
-    if path:
-        try:
-            _write_job_file(path, "0\n")
-        except OSError:
-            pass
-    os._exit = _os_exit
-
-
-def abort_all(comm, line, code=1, hard=False):
-    """End every rank of the job, with `line` (`[rank r] ...`) as the reason, reported once.
-
-    Under caffepar's launcher the line goes to the job folder and the rank just exits: hydra
-    ends the others, quietly, and the launcher prints the line. Under another launcher the line
-    goes to stderr, then MPI_Abort (its own banner silenced) ends the job."""
-    path = _job_file(comm, "end")
-    written = False
-    if path:
-        try:
-            _write_job_file(path, f"{code}\n{line}\n")
-            written = True
-        except OSError:
-            pass
-    if not written:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-        time.sleep(0.5)     # a launcher we did not start forwards output asynchronously
-    try:
-        sys.stdout.flush()
-    except (OSError, ValueError):
-        pass
-    if not written and not hard:       # hard: no process manager left to abort through
-        _silence_output()
-        comm.abort(code)
-    _os_exit(code)
-
-
-def _silence_output():
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
-    except OSError:
-        pass

@@ -187,10 +187,21 @@ class Solver:
         if not p.HasField("snapshot_prefix"):
             raise SolverError("In solver params, snapshot is specified but snapshot_prefix is "
                               "not", path=self.source)
+        self.check_snapshot_folder()
+
+    def check_snapshot_folder(self):
+        """The folder of snapshot_prefix, where snapshots (and `caffepar train`'s CSV) go,
+        exists and is writable; else a SolverError naming that folder."""
         folder = os.path.dirname(self.snapshot_prefix) or "."
-        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            raise SolverError(f"Cannot write to snapshot prefix '{p.snapshot_prefix}'. Make "
-                              "sure that the directory exists and is writable.", path=self.source)
+        hint = "create it, or change snapshot_prefix" + (f" in {self.source}" if self.source
+                                                         else "")
+        if not os.path.isdir(folder):
+            raise SolverError(f'no such folder, for snapshot_prefix "{self.param.snapshot_prefix}"',
+                              path=folder, hint=hint)
+        if not os.access(folder, os.W_OK):
+            raise SolverError(f'cannot write in this folder, for snapshot_prefix '
+                              f'"{self.param.snapshot_prefix}"', path=folder,
+                              hint=hint.replace("create it", "make it writable"))
 
     # ------------------------------------------------------------------ nets
     def _make_net(self, source, phase, level, stages):

@@ -2,8 +2,10 @@
 
 param_str is JSON: {"sleep": seconds per forward, "pids": folder, "rank": r (or "all"), "at": forward
 number, "do": "hang" | "exit0" | "sys.exit" | "memory" | "raise" | "nan" | "slow" |
-"gil" (sleeps `seconds` in C holding the GIL)}. With "pids", every rank writes
-`rank<r>.pid` ("pid parent-pid") there at setup, so a test can kill a rank or its process manager.
+"gil" (sleeps `seconds` in C holding the GIL) | "segv" (reads address 0: a real segmentation
+fault)}. With "pids", every rank writes
+`rank<r>.pid` ("pid manager-pid") there at setup, so a test can kill a rank or its process manager
+(the rank's parent, or its supervising parent's parent).
 """
 import ctypes
 import json
@@ -23,6 +25,16 @@ def this_rank():
     return 0
 
 
+def process_manager():
+    """The process manager's process that started this rank: its parent, or the parent of the
+    parent that supervises it (caffepar/parallel/supervise.py)."""
+    parent = os.getppid()
+    if os.environ.get("CAFFEPAR_RANK_PARENT") == str(parent):
+        with open(f"/proc/{parent}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[1])
+    return parent
+
+
 class Fault(caffe.Layer):
     def setup(self, bottom, top):
         self.conf = json.loads(self.param_str or "{}")
@@ -32,7 +44,7 @@ class Fault(caffe.Layer):
         if folder:
             tmp = os.path.join(folder, f".rank{self.rank}.pid")
             with open(tmp, "w") as f:
-                f.write(f"{os.getpid()} {os.getppid()}\n")
+                f.write(f"{os.getpid()} {process_manager()}\n")
             os.replace(tmp, os.path.join(folder, f"rank{self.rank}.pid"))
 
     def reshape(self, bottom, top):
@@ -55,6 +67,8 @@ class Fault(caffe.Layer):
                 raise MemoryError()
             elif what == "raise":
                 raise ValueError("injected")
+            elif what == "segv":
+                ctypes.string_at(0)
             elif what == "gil":
                 ctypes.PyDLL(None).sleep(int(self.conf.get("seconds", 3600)))
         top[0].data[...] = bottom[0].data
