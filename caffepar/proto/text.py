@@ -153,11 +153,13 @@ FORK_FIELDS = {
 
 
 def _fork_field_hint(message):
-    for (owner, name), hint in FORK_FIELDS.items():
-        if f'"caffe.{owner}" has no field named "{name}"' in message:
-            return f"{name} is a field of a Caffe fork, not of BVLC Caffe: {hint}"
-    match = re.search(r'"caffe\.(?:V1)?LayerParameter" has no field named "(\w+)"', message)
-    return forks.fork_of_field(match.group(1)) if match else None
+    match = re.search(r'"caffe\.(\w+)" has no field named "(\w+)"', message)
+    if not match:
+        return None
+    owner, name = match.groups()
+    if (owner, name) in FORK_FIELDS:
+        return f"{name} is a field of a Caffe fork, not of BVLC Caffe: {FORK_FIELDS[owner, name]}"
+    return forks.fork_of_field(name, owner)
 
 
 def _merge(text, message, path, first_line):
