@@ -745,16 +745,18 @@ def convert_onnx(model, weights, out, verify, batch, dynamic_spatial, opset, all
     if verify:
         from caffepar.convert.verify import verify_onnx
         sizes = [result.inputs] + ([result.other_inputs] if result.other_inputs else [])
-        for input_shapes in sizes:
-            check = verify_onnx(result, input_shapes=input_shapes)
+        from caffepar.errors import CaffeparError
+        for i, input_shapes in enumerate(sizes):
+            check = verify_onnx(result, input_shapes=input_shapes, informative=i == 0)
             click.echo("at " + ", ".join(f"{n} {'x'.join(map(str, s))}"
                                          for n, s in input_shapes.items()) + ":")
             for line in check.lines():
                 click.echo("  " + line)
             if not check.ok:
-                from caffepar.errors import CaffeparError
                 raise CaffeparError(f"onnxruntime and caffepar differ by more than "
                                     f"{check.tolerance:g}", path=out)
+            if check.untested:
+                raise CaffeparError(f"not verified: {check.untested}", path=out)
         click.echo("verified: onnxruntime matches caffepar" +
                    (" at both sizes" if len(sizes) > 1 else ""))
 

@@ -477,6 +477,12 @@ def _split(g, ctx):
     return [ctx.inputs[0]] * len(ctx.outs)
 
 
+def _silence(g, ctx):
+    """Silence only takes blobs nobody reads (so Caffe does not print them): nothing to do at
+    inference."""
+    return []
+
+
 # ------------------------------------------------------------------------ shape layers
 def _reshape_to_top(g, ctx):
     shape = _target_shape(ctx, 0, ctx.bottom_shapes[0], ctx.probe_bottom_shapes[0])
@@ -738,6 +744,7 @@ CONVERTERS = {
     "Swish": _swish,
     "Dropout": _dropout,
     "Split": _split,
+    "Silence": _silence,
     "Flatten": _reshape_to_top,
     "Reshape": _reshape_to_top,
     "Concat": _concat,
@@ -770,7 +777,7 @@ CONVERTERS.update(SSD_CONVERTERS)
 _DATA_TYPES = {"Data", "ImageData", "HDF5Data", "MemoryData", "WindowData"}
 _LOSS_TYPES = {"SoftmaxWithLoss", "SigmoidCrossEntropyLoss", "EuclideanLoss", "HingeLoss",
                "InfogainLoss", "MultinomialLogisticLoss", "ContrastiveLoss", "Accuracy",
-               "Silence", "HDF5Output"}
+               "HDF5Output"}
 UNSUPPORTED = {
     **{t: "reads a dataset; export the deploy net, whose Input layer becomes the graph input"
        for t in _DATA_TYPES},
@@ -953,6 +960,9 @@ def _build(net, opset, name, probe=None):
             if o in last_writer else ()
         probe_o = tuple(-1 if a in free else d for a, d in enumerate(probe[oid]))
         graph_outputs.append(_value_info(helper, name_, shapes[oid], probe_o))
+    if not graph_outputs:
+        raise OnnxExportError("cannot export to ONNX: the net has no output (its last blobs "
+                              "go to Silence or loss layers)")
     graph = helper.make_graph(g.nodes, name or net.name or "caffe_net", graph_inputs,
                               graph_outputs, g.initializers)
     model = helper.make_model(graph, producer_name="caffepar",
