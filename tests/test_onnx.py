@@ -405,14 +405,14 @@ def test_a_net_that_ties_its_batch_is_exported_at_its_own_saying_why(tmp_path, c
     assert result.note.startswith("the batch size is fixed at 2: ") and '"flat"' in result.note
     check(result)
     with pytest.raises(SystemExit) as e:
-        main(["convert", "onnx", str(path), str(_random_weights(tmp_path, result.net)),
+        main(["convert", "onnx", str(path), str(_drawn_weights(tmp_path, result.net)),
               str(tmp_path / "t.onnx"), "--verify"])
     out, err = capsys.readouterr()
     assert e.value.code == 0, err
     assert "note: the batch size is fixed at 2" in out and "at both sizes" not in out
 
 
-def _random_weights(tmp_path, net):
+def _drawn_weights(tmp_path, net):
     """The net's weights drawn at random (the FCN's have no fillers: zeros would make every
     output a constant, which --verify refuses to call verified)."""
     rng = np.random.default_rng(0)
@@ -428,7 +428,7 @@ def test_cli_dynamic_spatial_verifies_two_sizes(tmp_path, capsys):
     path = tmp_path / "fcn.prototxt"
     path.write_text(FCN)
     net = Net(str(path), TEST)
-    weights = _random_weights(tmp_path, net)
+    weights = _drawn_weights(tmp_path, net)
     with pytest.raises(SystemExit) as e:
         main(["convert", "onnx", str(path), str(weights), str(tmp_path / "f.onnx"),
               "--dynamic-spatial", "--verify"])
