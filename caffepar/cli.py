@@ -3,6 +3,7 @@
 Errors caused by the user's files become one line on stderr and exit status 1 (`--debug` shows
 the traceback); usage errors exit 2, as click does.
 """
+import itertools
 import os
 import re
 import sys
@@ -202,7 +203,7 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
     """Time forward and backward of every layer, as `caffe time`."""
     from caffepar.graph.net import Net
     from caffepar.parallel.options import CommOptions
-    from caffepar.timing import benchmark, format_benchmark, format_memory, peak_rss
+    from caffepar.timing import benchmark, benchmark_lines, format_memory, peak_rss
     start_rss = peak_rss()
     _warn_gpu(gpu)
     if comm_flags.get("momentum_correction"):
@@ -227,7 +228,12 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
     result = benchmark(net, iterations, comm=comm, options=options, cost_model=cost_model,
                        progress=lambda i, ms: say(
         f"Iteration: {i} forward-backward time: {ms:.2f} ms."))
-    say(format_benchmark(net, result, engines=show_engines))
+    lines = benchmark_lines(net, result, engines=show_engines)
+    while True:                         # a net of millions of layers: a part at a time
+        part = list(itertools.islice(lines, 10000))
+        if not part:
+            break
+        say("\n".join(part))
     if show_memory:
         say(format_memory(net, start_rss))
     if save_profile:
@@ -660,9 +666,13 @@ def convert_upgrade(src, dst, check):
 def convert_info(model, weights, phase, level, stage):
     """Layers, shapes, parameters, FLOPs and parallel modes of MODEL; with WEIGHTS, which
     layers match, are missing or are unused."""
-    from caffepar.convert.info import format_info, net_info
-    click.echo(format_info(net_info(model, weights, phase=_phase(phase), level=level,
-                                    stages=stage)))
+    from caffepar.convert.info import info_lines, net_info
+    lines = info_lines(net_info(model, weights, phase=_phase(phase), level=level, stages=stage))
+    while True:                         # a net of millions of layers: its report a part at a time
+        part = list(itertools.islice(lines, 10000))
+        if not part:
+            break
+        click.echo("\n".join(part))
 
 
 @convert_group.command("npz")

@@ -15,6 +15,14 @@ from caffepar.proto import caffe_pb2, forks, wire
 from caffepar.proto.text import read_net_text
 from conftest import DATA, need_shared
 
+@pytest.fixture(autouse=True)
+def _notes_on_stderr(monkeypatch):
+    """Notes go to stderr as in a fresh process with no log set up (an earlier test's log may
+    still hold its stream)."""
+    from caffepar import logs
+    monkeypatch.setattr(logs.LOGGER, "disabled", True)
+
+
 LAYER = caffe_pb2.LayerParameter.DESCRIPTOR
 #: BVLC Caffe's LayerParameter numbers (its caffe.proto: 1-11, 100-148).
 BVLC_NUMBERS = set(range(1, 12)) | set(range(100, 149))
