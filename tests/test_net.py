@@ -485,3 +485,15 @@ def test_pooling_run_inside_the_convolution_gives_the_bits_of_layers_run_alone(
     assert (net.blobs["pool1"].data == 7).all()     # pool1 not in the span: not run
     net.forward(start="pool1", end="relu1")
     np.testing.assert_array_equal(net.blobs["pool1"].data, alone["pool1"][0])
+
+
+def test_layers_share_their_lists_of_blob_ids_which_cannot_be_changed_in_place(tmp_path):
+    """Layers wired alike share one list of blob ids (a huge net's memory); it compares as a
+    list, and changing it in place, which would rewire every layer sharing it, is an error."""
+    net = Net(str(_relu_chain(tmp_path / "chain.prototxt", 3)))
+    assert net.bottom_ids[1] is net.bottom_ids[2] and net.bottom_ids[1] == [0]
+    assert net.top_ids[1] == net.bottom_ids[1]
+    with pytest.raises(TypeError, match="shared by several layers"):
+        net.bottom_ids[1][0] = 5
+    with pytest.raises(TypeError, match="shared by several layers"):
+        net.top_ids[2].append(0)

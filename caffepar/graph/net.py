@@ -26,6 +26,20 @@ TEST = caffe_pb2.TEST
 ANONYMOUS_TOP = "(automatic)"
 
 
+class SharedList(list):
+    """A list of blob ids or flags that several layers share (Net.bottom_ids, top_ids,
+    bottom_need_backward): it compares as a list, and changing it in place is an error (it
+    would change every layer that shares it); a change is a new list."""
+
+    __slots__ = ()
+
+    def _shared(self, *args, **kwargs):
+        raise TypeError("this list is shared by several layers: replace it, do not change it")
+
+    append = extend = insert = remove = pop = clear = sort = reverse = _shared
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _shared
+
+
 def load_net_param(source):
     """A NetParameter and its SourceMap from a path, prototxt text or a NetParameter."""
     if isinstance(source, caffe_pb2.NetParameter):
@@ -111,8 +125,8 @@ class Net:
 
     def _build(self, param):
         """Create and wire the layers. A layer costs the net a few hundred bytes beyond its
-        LayerParameter: lists of blob ids and flags that many layers share are one list
-        (`shared`), its name is one string, where it is written is looked up only if an error
+        LayerParameter: lists of blob ids and flags that many layers share are one
+        SharedList, its name is one string, where it is written is looked up only if an error
         asks, and the by-name indexes are made when first read (_index)."""
         self.layers = []
         self._layer_names = []
@@ -251,13 +265,12 @@ class Net:
         self._fold_steps()
 
     def _shared_list(self, values):
-        """`values` as a list, one object for every equal one (most layers' blob ids and
-        flags repeat: a list of their own would cost a huge net 50-100 bytes a layer). So
-        they are never changed in place: a change is a new list."""
+        """`values` as a SharedList, one object for every equal one (most layers' blob ids and
+        flags repeat: a list of their own would cost a huge net 50-100 bytes a layer)."""
         key = tuple(values)
         found = self._shared.get(key)
         if found is None:
-            found = self._shared[key] = list(key)
+            found = self._shared[key] = SharedList(key)
         return found
 
     def _fold_relus(self):
