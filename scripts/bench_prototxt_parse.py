@@ -143,20 +143,21 @@ def _env(tree=ROOT):
 
 def measure_parse(path, whole):
     out = subprocess.run([sys.executable, "-c", MEASURE, str(ROOT), str(path), str(4 << 20),
-                          "whole" if whole else "parts"], env=_env(), capture_output=True,
-                         text=True, check=True).stdout.split()
+                          "whole" if whole else "parts"], env=_env(), cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.split()
     return float(out[0]), float(out[1]), float(out[2]), int(out[3])
 
 
 def measure_command(command, path, tree=ROOT):
     """(ok, wall s, CPU s, peak RSS above the baseline in bytes, last progress line or error),
     caffepar imported from `tree`."""
-    base = int(subprocess.run([sys.executable, "-c", BASELINE], env=_env(tree),
+    # Run in `tree`: `python -c` puts the working folder first on the import path.
+    base = int(subprocess.run([sys.executable, "-c", BASELINE], env=_env(tree), cwd=tree,
                               capture_output=True, text=True, check=True).stdout)
     with open(os.devnull, "w") as sink:
         args = [NET] if command == "net" else [RUN, *COMMANDS[command]]
         done = subprocess.run([sys.executable, "-c", *args, str(path)], env=_env(tree),
-                              stdout=sink, stderr=subprocess.PIPE, text=True)
+                              cwd=tree, stdout=sink, stderr=subprocess.PIPE, text=True)
     found = re.search(r"measured (\S+) (\S+) (\S+) (\d+)", done.stderr)
     if not found:
         tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
