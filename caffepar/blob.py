@@ -40,6 +40,8 @@ class Blob:
         """Give the blob a new shape; keep the memory when the count allows (as Caffe does)."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = shape[0]
+            if shape == self.data.shape:     # the net reshapes every layer before forward
+                return
         shape = tuple(int(d) for d in shape)
         if any(d < 0 for d in shape):
             raise ValueError(f"blob dimensions must be >= 0, got {shape}")
@@ -96,6 +98,29 @@ class BlobVec(list):
         blob = Blob(shape, self.dtype)
         blob.is_param = True
         self.append(blob)
+
+
+class _NoBlobs(BlobVec):
+    """The blobs of a built layer that has none: one object for all of a net's such layers (a
+    BlobVec each would cost a net of millions of layers 64 bytes a layer). Adding to it is an
+    error: parameter blobs are made in a layer's setup."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("this layer has no parameter blobs: they are added in its setup")
+
+    append = extend = insert = add_blob = __setitem__ = __iadd__ = _refuse
+
+
+_NO_BLOBS = {}
+
+
+def no_blobs(dtype):
+    found = _NO_BLOBS.get(dtype)
+    if found is None:
+        found = _NO_BLOBS[dtype] = _NoBlobs(dtype=dtype)
+    return found
 
 
 def canonical_axis(axis, num_axes):

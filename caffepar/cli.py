@@ -3,6 +3,7 @@
 Errors caused by the user's files become one line on stderr and exit status 1 (`--debug` shows
 the traceback); usage errors exit 2, as click does.
 """
+import itertools
 import os
 import re
 import sys
@@ -217,7 +218,7 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
     """Time forward and backward of every layer, as `caffe time`."""
     from caffepar.graph.net import Net
     from caffepar.parallel.options import CommOptions
-    from caffepar.timing import benchmark, format_benchmark, format_memory, peak_rss
+    from caffepar.timing import benchmark, benchmark_lines, format_memory, peak_rss
     start_rss = peak_rss()
     _warn_gpu(gpu)
     if comm_flags.get("momentum_correction"):
@@ -242,7 +243,12 @@ def time_cmd(ctx, model, weights, iterations, phase, level, stage, ranks, defaul
     result = benchmark(net, iterations, comm=comm, options=options, cost_model=cost_model,
                        progress=lambda i, ms: say(
         f"Iteration: {i} forward-backward time: {ms:.2f} ms."))
-    say(format_benchmark(net, result, engines=show_engines))
+    lines = benchmark_lines(net, result, engines=show_engines)
+    while True:                         # a net of millions of layers: a part at a time
+        part = list(itertools.islice(lines, 10000))
+        if not part:
+            break
+        say("\n".join(part))
     if show_memory:
         say(format_memory(net, start_rss))
     if save_profile:
@@ -688,9 +694,13 @@ def convert_upgrade(src, dst, check):
 def convert_info(model, weights, phase, level, stage):
     """Layers, shapes, parameters, FLOPs and parallel modes of MODEL; with WEIGHTS, which
     layers match, are missing or are unused."""
-    from caffepar.convert.info import format_info, net_info
-    click.echo(format_info(net_info(model, weights, phase=_phase(phase), level=level,
-                                    stages=stage)))
+    from caffepar.convert.info import info_lines, net_info
+    lines = info_lines(net_info(model, weights, phase=_phase(phase), level=level, stages=stage))
+    while True:                         # a net of millions of layers: its report a part at a time
+        part = list(itertools.islice(lines, 10000))
+        if not part:
+            break
+        click.echo("\n".join(part))
 
 
 @convert_group.command("npz")
@@ -773,16 +783,18 @@ def convert_onnx(model, weights, out, verify, batch, dynamic_spatial, opset, all
     if verify:
         from caffepar.convert.verify import verify_onnx
         sizes = [result.inputs] + ([result.other_inputs] if result.other_inputs else [])
-        for input_shapes in sizes:
-            check = verify_onnx(result, input_shapes=input_shapes)
+        from caffepar.errors import CaffeparError
+        for i, input_shapes in enumerate(sizes):
+            check = verify_onnx(result, input_shapes=input_shapes, informative=i == 0)
             click.echo("at " + ", ".join(f"{n} {'x'.join(map(str, s))}"
                                          for n, s in input_shapes.items()) + ":")
             for line in check.lines():
                 click.echo("  " + line)
             if not check.ok:
-                from caffepar.errors import CaffeparError
                 raise CaffeparError(f"onnxruntime and caffepar differ by more than "
                                     f"{check.tolerance:g}", path=out)
+            if check.untested:
+                raise CaffeparError(f"not verified: {check.untested}", path=out)
         click.echo("verified: onnxruntime matches caffepar" +
                    (" at both sizes" if len(sizes) > 1 else ""))
 

@@ -40,6 +40,12 @@ def progress(message, *args):
         sys.stderr.flush()
 
 
+def note(text):
+    """What a user should know of a file read (fields kept unread, and why): where progress()
+    writes, once per file."""
+    progress("%s", text)
+
+
 def available_memory():
     """Bytes the machine can still give (MemAvailable), or None where unknown."""
     try:

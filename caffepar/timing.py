@@ -133,8 +133,13 @@ def _margin_words(entry):
 
 
 def format_benchmark(net, result, engines=False):
+    return "\n".join(benchmark_lines(net, result, engines))
+
+
+def benchmark_lines(net, result, engines=False):
+    """format_benchmark's lines one at a time (a net of millions of layers prints millions)."""
     width = max([10] + [len(name) for name in net._layer_names])
-    lines = ["Average time per layer:"]
+    yield "Average time per layer:"
     for i, (name, f, b) in enumerate(zip(net._layer_names, result.forward_ms,
                                          result.backward_ms)):
         comm = ""
@@ -146,13 +151,13 @@ def format_benchmark(net, result, engines=False):
             engine = f"\tengine: {net.layers[i].engine(shape)}"
         host = i - 1 if i in net.relu_in_producer else net.step_forward.get(i)
         fold = f"\t(runs inside {net._layer_names[host]})" if host is not None else ""
-        lines.append(f"{name:>{width}}\tforward: {f:.4f} ms.{engine}{fold}")
+        yield f"{name:>{width}}\tforward: {f:.4f} ms.{engine}{fold}"
         host = i + 1 if i in net.relu_in_consumer else net.step_backward.get(i)
         fold = f"\t(runs inside {net._layer_names[host]})" if host is not None else ""
-        lines.append(f"{name:>{width}}\tbackward: {b:.4f} ms.{comm}{fold}")
+        yield f"{name:>{width}}\tbackward: {b:.4f} ms.{comm}{fold}"
     fsum, bsum = result.forward_ms.sum(), result.backward_ms.sum()
-    lines += [f"Average Forward pass: {fsum:.4f} ms.",
-              f"Average Backward pass: {bsum:.4f} ms."]
+    lines = [f"Average Forward pass: {fsum:.4f} ms.",
+             f"Average Backward pass: {bsum:.4f} ms."]
     if result.ranks > 1:
         from caffepar.parallel.gradsync import TAG
         reduce_ms = result.comm_ms.get(TAG, 0.0)
@@ -175,7 +180,7 @@ def format_benchmark(net, result, engines=False):
         lines += ["Engines (layer, type, engine, each pass's measured time vs the runner-up's):"]
         lines += ["    " + line for line in engine_lines(net)]
     lines += ["*** Benchmark ends ***"]
-    return "\n".join(lines)
+    yield from lines
 
 
 def _base(a):

@@ -1,16 +1,35 @@
 #!/usr/bin/env python
-"""Parsing very long prototxts: seconds and peak memory against the text's size, parsed in parts
-(caffepar's way) and in one piece (protobuf's text parser on the whole text).
+"""Very long prototxts: parsing, and building the net, in seconds and peak memory.
 
-    python scripts/bench_prototxt_parse.py [--sizes 25,50,100,200] [--out results/prototxt_parse]
+    python scripts/bench_prototxt_parse.py [--sizes 25,50,100,200] [--whole-max 50]
+                                           [--layers 100000,1000000,3080000]
+                                           [--commands net,info,time] [--against DIR]
+                                           [--out results/prototxt_parse]
 
-Each size is a generated net of conv / ReLU / pooling blocks (names, bottoms, fillers as
+Parse: each size is a generated net of conv / ReLU / pooling blocks (names, bottoms, fillers as
 published nets write them), parsed by `read_net_text` in a fresh process whose peak RSS is read
-from the kernel. Writes OUT.csv, OUT.md and OUT.png.
+from the kernel: `parts` is caffepar's reading (text straight to protobuf's wire format, a few MB
+at a time), `whole` protobuf's own text parser on the whole text (up to --whole-max MB: it is
+slow).
+
+Build: each count is a chain of that many in-place ReLU layers, one a line (3.08 million of
+them make a 200 MB text), built by `Net(path)` (what every command does first: parse, upgrade,
+filter, splits, build), and run by `caffepar convert info` (that, then the per-layer report,
+written to /dev/null) and `caffepar time --iterations 1` (that, then two passes forward and
+backward, and the report), each in a fresh process: wall and CPU seconds, and the peak RSS
+above that of a process that only imported caffepar, per layer, beside `Net.BYTES_PER_LAYER`,
+the figure a net's memory check assumes.
+
+With --against DIR (a source tree of another caffepar, e.g. `git archive COMMIT | tar -x -C
+DIR`) the build rows run with it too, one after the other, for ratios measured side by side.
+Generated texts live in a temporary folder and are removed. Writes OUT.csv, OUT.md and OUT.png.
+CPU seconds are the process's own (user + system), which a busy machine inflates less than
+wall seconds; the machine's load average is recorded with each row.
 """
 import argparse
 import csv
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -51,12 +70,45 @@ sys.path.insert(0, sys.argv[1])
 from caffepar.proto import text
 chunk = int(sys.argv[3])
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 raw = text.read_text(sys.argv[2])
-net = text.parse_text(raw, text.caffe_pb2.NetParameter(), sys.argv[2], chunk_chars=chunk)
-seconds = time.perf_counter() - t0
+if sys.argv[4] == "whole":
+    net = text.caffe_pb2.NetParameter()
+    text.text_format.Merge(raw, net)
+else:
+    net = text.parse_text(raw, text.caffe_pb2.NetParameter(), sys.argv[2], chunk_chars=chunk)
+seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(seconds, (peak - base) / 1024, len(net.layer))
+print(seconds, cpu, (peak - base) / 1024, len(net.layer))
+"""
+
+# A process that imports what the command imports: the baseline its peak is measured above.
+BASELINE = "import resource, caffepar.cli, caffepar.graph.net, caffepar.nn, caffepar.timing; " \
+           "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+RUN = r"""
+import resource, sys, time
+from caffepar.cli import main
+t0, c0 = time.perf_counter(), time.process_time()
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+else:
+    code = 0
+r = resource.getrusage(resource.RUSAGE_SELF)
+print("measured", code, time.perf_counter() - t0, r.ru_utime + r.ru_stime, r.ru_maxrss,
+      file=sys.stderr)
+"""
+COMMANDS = {"info": ["convert", "info"], "time": ["time", "--iterations", "1", "--model"]}
+# `net`: Net(path), which every command runs first (parse, upgrade, filter, splits, build).
+NET = r"""
+import resource, sys, time
+from caffepar.graph.net import Net
+t0, c0 = time.perf_counter(), time.process_time()
+net = Net(sys.argv[1])
+r = resource.getrusage(resource.RUSAGE_SELF)
+print("measured", 0, time.perf_counter() - t0, time.process_time() - c0, r.ru_maxrss,
+      file=sys.stderr)
 """
 
 
@@ -71,53 +123,166 @@ def generate(path, megabytes):
     return os.path.getsize(path)
 
 
-def measure(path, whole):
-    chunk = 1 << 62 if whole else 4 << 20
-    env = dict(os.environ, CAFFEPAR_MAX_PROTOTXT_MB="100000")
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(ROOT), str(path), str(chunk)],
-                         env=env, capture_output=True, text=True, check=True).stdout.split()
-    return float(out[0]), float(out[1]), int(out[2])
+def relu_chain(path, layers):
+    """An Input and `layers` in-place ReLU layers, one a line (65 bytes at 3 million)."""
+    with open(path, "w") as f:
+        f.write('layer { name: "data" type: "Input" top: "x" input_param { shape { dim: 1 '
+                'dim: 4 } } }\n')
+        step = 100000
+        for start in range(0, layers, step):
+            f.write("".join(f'layer {{ name: "relu{i}" type: "ReLU" bottom: "x" top: "x" }}\n'
+                            for i in range(start, min(layers, start + step))))
+    return os.path.getsize(path)
+
+
+def _env(tree=ROOT):
+    """The environment of a measured process: caffepar imported from `tree`."""
+    return dict(os.environ, CAFFEPAR_MAX_PROTOTXT_MB="100000",
+                PYTHONPATH=str(tree) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def measure_parse(path, whole):
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(ROOT), str(path), str(4 << 20),
+                          "whole" if whole else "parts"], env=_env(), cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.split()
+    return float(out[0]), float(out[1]), float(out[2]), int(out[3])
+
+
+def measure_command(command, path, tree=ROOT):
+    """(ok, wall s, CPU s, peak RSS above the baseline in bytes, last progress line or error),
+    caffepar imported from `tree`."""
+    # Run in `tree`: `python -c` puts the working folder first on the import path.
+    base = int(subprocess.run([sys.executable, "-c", BASELINE], env=_env(tree), cwd=tree,
+                              capture_output=True, text=True, check=True).stdout)
+    with open(os.devnull, "w") as sink:
+        args = [NET] if command == "net" else [RUN, *COMMANDS[command]]
+        done = subprocess.run([sys.executable, "-c", *args, str(path)], env=_env(tree),
+                              cwd=tree, stdout=sink, stderr=subprocess.PIPE, text=True)
+    found = re.search(r"measured (\S+) (\S+) (\S+) (\d+)", done.stderr)
+    if not found:
+        tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        return False, 0.0, 0.0, 0, tail[0][:200]
+    code, wall, cpu, peak = found.groups()
+    lines = done.stderr.splitlines()
+    progress = [ln for ln in lines if ln.startswith(("Parsing", "Building"))]
+    errors = [ln for ln in lines if ln.startswith("caffepar:")]
+    last = (errors or progress or [""])[-1].replace(str(path), path.name)
+    return code in ("0", "None"), float(wall), float(cpu), (int(peak) - base) * 1024, last
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="25,50,100,200", help="text sizes in MB")
+    ap.add_argument("--sizes", default="25,50,100,200", help="parse: text sizes in MB ('' none)")
+    ap.add_argument("--whole-max", type=float, default=50,
+                    help="parse with protobuf's text parser up to this size (MB)")
+    ap.add_argument("--layers", default="100000,1000000,3080000",
+                    help="build: ReLU chains of these many layers ('' none)")
+    ap.add_argument("--commands", default="net,info,time",
+                    help="build: net (Net(path) alone), info, time")
+    ap.add_argument("--against", metavar="DIR",
+                    help="build rows also with the caffepar of this source tree (an earlier "
+                         "commit's: git archive COMMIT | tar -x -C DIR), side by side")
+    ap.add_argument("--against-max", type=float, default=1e6,
+                    help="run --against's rows up to this many layers")
     ap.add_argument("--out", default=str(ROOT / "results" / "prototxt_parse"))
+    ap.add_argument("--against-label", default="earlier",
+                    help="what the rows of --against are called in the results")
     args = ap.parse_args()
     from cpuinfo import cpu_name
-    rows = []
+    from caffepar.graph.net import Net
+    parse_rows, build_rows = [], []
     with tempfile.TemporaryDirectory() as folder:
-        for mb in [float(s) for s in args.sizes.split(",")]:
+        for mb in [float(s) for s in args.sizes.split(",") if s]:
             path = Path(folder) / f"long_{mb:g}.prototxt"
             size = generate(path, mb)
             for mode in ("parts", "whole"):
-                seconds, peak_mb, layers = measure(path, mode == "whole")
-                rows.append({"text_mb": round(size / 1e6, 1), "layers": layers, "mode": mode,
-                             "seconds": round(seconds, 2), "mb_per_s": round(size / 1e6 / seconds, 2),
-                             "peak_rss_mb": round(peak_mb)})
-                print(rows[-1], flush=True)
+                if mode == "whole" and mb > args.whole_max:
+                    continue
+                load = os.getloadavg()[0]
+                seconds, cpu, peak_mb, layers = measure_parse(path, mode == "whole")
+                parse_rows.append({"text_mb": round(size / 1e6, 1), "layers": layers,
+                                   "mode": mode, "seconds": round(seconds, 2),
+                                   "cpu_seconds": round(cpu, 2),
+                                   "mb_per_cpu_s": round(size / 1e6 / cpu, 2),
+                                   "peak_rss_mb": round(peak_mb), "load": round(load, 1)})
+                print(parse_rows[-1], flush=True)
             path.unlink()
-    out = Path(args.out)
+        for layers in [int(float(s)) for s in args.layers.split(",") if s]:
+            path = Path(folder) / f"relu_chain_{layers}.prototxt"
+            size = relu_chain(path, layers)
+            trees = [("this", ROOT)] + ([(args.against_label, Path(args.against))]
+                                        if args.against and layers <= args.against_max else [])
+            for command in args.commands.split(","):
+                for code, tree in trees:
+                    load = os.getloadavg()[0]
+                    ok, wall, cpu, peak, last = measure_command(command, path, tree)
+                    build_rows.append({"layers": layers, "text_mb": round(size / 1e6, 1),
+                                       "code": code, "command": command, "ok": ok,
+                                       "seconds": round(wall, 1),
+                                       "cpu_seconds": round(cpu, 1),
+                                       "peak_rss_gib": round(peak / 2 ** 30, 2),
+                                       "bytes_per_layer": round(peak / layers),
+                                       "load": round(load, 1), "last_progress": last})
+                    print(build_rows[-1], flush=True)
+            path.unlink()
+    write(Path(args.out), parse_rows, build_rows, cpu_name(), Net.BYTES_PER_LAYER)
+
+
+def write(out, parse_rows, build_rows, cpu, bytes_per_layer):
     out.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"part": "parse", **r} for r in parse_rows] + [{"part": "build", **r}
+                                                            for r in build_rows]
+    fields = list(dict.fromkeys(k for r in rows for k in r))
     with open(out.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(rows)
-    lines = ["# Parsing long prototxts", "",
-             f"CPU: {cpu_name()}. Generated nets of conv / ReLU / pooling blocks; each parse in "
-             "a fresh process, peak RSS above the interpreter's own. `parts`: caffepar's "
-             "`parse_text` (merged a few MB at a time, progress in the log); `whole`: protobuf's "
-             "text parser on the whole text.", "",
-             "| text MB | layers | mode | seconds | MB/s | peak RSS MB |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['text_mb']} | {r['layers']} | {r['mode']} | {r['seconds']} | "
-              f"{r['mb_per_s']} | {r['peak_rss_mb']} |" for r in rows]
-    parts = [r for r in rows if r["mode"] == "parts"]
-    whole = [r for r in rows if r["mode"] == "whole"]
-    lines += ["", "Peak memory per text MB (parts / whole): " + ", ".join(
-        f"{p['text_mb']:g} MB: {p['peak_rss_mb'] / p['text_mb']:.1f} / "
-        f"{w['peak_rss_mb'] / w['text_mb']:.1f}" for p, w in zip(parts, whole)),
-              "Seconds per text MB (parts): " + ", ".join(
-        f"{p['text_mb']:g} MB: {p['seconds'] / p['text_mb']:.3f}" for p in parts), ""]
+    lines = ["# Long prototxts: parsing and building", "",
+             f"CPU: {cpu}. Made by `scripts/bench_prototxt_parse.py` (its docstring says what "
+             "each row runs); each in a fresh process. CPU seconds are the process's own; "
+             "`load` is the machine's 1-minute load average when the row started (other jobs "
+             "shared its cores: wall seconds grow with it).", ""]
+    if parse_rows:
+        lines += ["## Parsing", "",
+                  "Nets of conv / ReLU / pooling blocks. `parts`: caffepar's `parse_text` (text "
+                  "to protobuf's wire format, a few MB at a time); `whole`: protobuf's text "
+                  "parser on the whole text. Peak RSS above the interpreter's own.", "",
+                  "| text MB | layers | mode | seconds | CPU s | MB per CPU s | peak RSS MB | "
+                  "load |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['text_mb']} | {r['layers']:,} | {r['mode']} | {r['seconds']} | "
+                  f"{r['cpu_seconds']} | {r['mb_per_cpu_s']} | {r['peak_rss_mb']} | {r['load']} |"
+                  for r in parse_rows]
+        pairs = [(p, w) for p in parse_rows for w in parse_rows
+                 if p["mode"] == "parts" and w["mode"] == "whole" and p["text_mb"] == w["text_mb"]]
+        if pairs:
+            lines += ["", "protobuf's parser / caffepar's, CPU seconds: " + ", ".join(
+                f"{p['text_mb']:g} MB: {w['cpu_seconds'] / p['cpu_seconds']:.1f}x"
+                for p, w in pairs)]
+        lines.append("")
+    if build_rows:
+        lines += ["## Building a net of millions of layers", "",
+                  "Chains of in-place ReLU layers, one a line. `net`: `Net(path)` alone (parse "
+                  "and build, what every command does first); `info`: `caffepar convert info` "
+                  "(its report to /dev/null); `time`: `caffepar time --iterations 1`. Peak RSS "
+                  "above a process that only imported caffepar; bytes per layer beside the "
+                  f"{bytes_per_layer} a net's memory check assumes (`Net.BYTES_PER_LAYER`).", "",
+                  "| layers | text MB | code | command | ok | seconds | CPU s | peak RSS GiB | "
+                  "bytes per layer | load | last progress line (or the error) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['layers']:,} | {r['text_mb']} | {r['code']} | {r['command']} | {r['ok']} | "
+                  f"{r['seconds']} | {r['cpu_seconds']} | {r['peak_rss_gib']} | "
+                  f"{r['bytes_per_layer']} | {r['load']} | {r['last_progress']} |"
+                  for r in build_rows]
+        pairs = [(a, b) for a in build_rows for b in build_rows if a["code"] == "this"
+                 and b["code"] != "this" and (a["layers"], a["command"]) == (b["layers"],
+                                                                             b["command"])
+                 and a["ok"] and b["ok"]]
+        if pairs:
+            lines += ["", "Side by side (the other code / this code): " + "; ".join(
+                f"{a['layers']:,} layers, {a['command']}: CPU {b['cpu_seconds'] / a['cpu_seconds']:.1f}x, "
+                f"peak memory {b['bytes_per_layer'] / a['bytes_per_layer']:.1f}x"
+                for a, b in pairs)]
+        lines.append("")
     out.with_suffix(".md").write_text("\n".join(lines))
     print("wrote", out.with_suffix(".md"))
     from figures import pyplot
@@ -126,14 +291,23 @@ def main():
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for mode, marker in (("parts", "o-"), ("whole", "s--")):
-        sel = [r for r in rows if r["mode"] == mode]
-        axes[0].plot([r["text_mb"] for r in sel], [r["seconds"] for r in sel], marker, label=mode)
-        axes[1].plot([r["text_mb"] for r in sel], [r["peak_rss_mb"] for r in sel], marker,
-                     label=mode)
-    axes[0].set(xlabel="prototxt MB", ylabel="seconds", title="parse time")
-    axes[1].set(xlabel="prototxt MB", ylabel="peak RSS MB", title="parse memory")
+        sel = [r for r in parse_rows if r["mode"] == mode]
+        if sel:
+            axes[0].plot([r["text_mb"] for r in sel], [r["cpu_seconds"] for r in sel], marker,
+                         label=f"parse, {mode}")
+    for command, marker in (("net", "^-"), ("info", "o-"), ("time", "s-")):
+        sel = [r for r in build_rows if r["command"] == command and r["ok"]
+               and r["code"] == "this"]
+        if sel:
+            axes[0].plot([r["text_mb"] for r in sel], [r["cpu_seconds"] for r in sel], marker,
+                         label=f"ReLU chain, {command}")
+            axes[1].plot([r["layers"] / 1e6 for r in sel], [r["bytes_per_layer"] for r in sel],
+                         marker, label=f"ReLU chain, {command}")
+    axes[1].axhline(bytes_per_layer, color="grey", ls=":", label="Net.BYTES_PER_LAYER")
+    axes[0].set(xlabel="prototxt MB", ylabel="CPU seconds", title="time")
+    axes[1].set(xlabel="million layers", ylabel="peak RSS bytes per layer", title="memory")
     for ax in axes:
-        ax.legend()
+        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)

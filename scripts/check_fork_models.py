@@ -14,7 +14,10 @@ weights, saved once as a .caffemodel that all four tools read. Random weights he
 fillers' values, BatchNorm statistics of mean 0 and variance 1, and the class-score
 convolutions (*_mbox_conf) times 4 for the 21-class MobileNet-SSD, so that some scores pass its
 threshold (not for the 2-class face detector, whose scores would then saturate at 1.0 and
-tie).
+tie). Fast R-CNN's test prototxts have no fillers (all zeros, every output a constant): their
+weights are drawn from N(0, 2 / fan-in), biases from N(0, 0.01^2), and they are fed an image and
+8 valid regions (batch index 0, x1 <= x2, y1 <= y2, inside the image); cls_prob and bbox_pred
+are compared.
 
 Comparisons: dense outputs with rtol 1e-4 (atol 1e-5); detections (N x 7 rows) after sorting
 the rows, same count and rtol 1e-4 (atol 1e-5). OpenCV is `opencv-python-headless` 4.x (5.x
@@ -43,8 +46,26 @@ sys.path.insert(0, str(ROOT))
 RAW = "https://raw.githubusercontent.com/{repo}/{ref}/{path}"
 
 
+def ssd_image(rng):
+    return {"data": rng.uniform(-1, 1, (1, 3, 300, 300)).astype(np.float32)}
+
+
+def image_and_regions(rng, size=224, regions=8):
+    """An image and valid regions for it, as Fast R-CNN's test feeds them: [batch index 0,
+    x1, y1, x2, y2] in the image's pixels, x1 <= x2, y1 <= y2, inside the image."""
+    corner = rng.uniform(0, size * 0.8, (regions, 2))
+    far = np.minimum(corner + rng.uniform(8, size, (regions, 2)), size - 1)
+    rois = np.concatenate([np.zeros((regions, 1)), corner, far], axis=1)
+    return {"data": rng.uniform(-1, 1, (1, 3, size, size)).astype(np.float32),
+            "rois": rois.astype(np.float32)}
+
+
 @dataclass
 class Published:
+    """A published prototxt, its inputs (feeds(rng) -> {input: array}) and the outputs
+    compared. `he_weights`: the prototxt has no fillers (its weights come from a caffemodel),
+    so every weight is drawn from N(0, 2 / fan-in) and every bias from N(0, 0.01^2) instead
+    of its filler's zeros, which would make every output a constant."""
     name: str
     file: str
     repo: str
@@ -52,7 +73,14 @@ class Published:
     path: str
     note: str = ""
     conf_gain: float = 4.0
+    feeds: object = ssd_image
+    outputs: tuple = ("detection_out",)
+    detections: bool = True
+    he_weights: bool = False
 
+
+FAST_RCNN = dict(feeds=image_and_regions, outputs=("cls_prob", "bbox_pred"), detections=False,
+                 he_weights=True)
 
 PUBLISHED = [
     Published("MobileNet-SSD", "MobileNetSSD_deploy.prototxt", "chuanqi305/MobileNet-SSD",
@@ -63,6 +91,14 @@ PUBLISHED = [
     Published("res10 SSD face detector", "res10_300x300_ssd_deploy.prototxt", "opencv/opencv",
               "4.x", "samples/dnn/face_detector/deploy.prototxt",
               "ResNet-10 SSD; sets DetectionOutput's clip (an OpenCV field)", conf_gain=1.0),
+    Published("Fast R-CNN ZF", "fast_rcnn_zf_test.prototxt", "rbgirshick/py-faster-rcnn",
+              "master", "models/pascal_voc/ZF/fast_rcnn/test.prototxt",
+              "ROIPooling of 8 regions; Dropout with scale_train: false (caffe-fast-rcnn)",
+              **FAST_RCNN),
+    Published("Fast R-CNN VGG16", "fast_rcnn_vgg16_test.prototxt", "rbgirshick/py-faster-rcnn",
+              "master", "models/pascal_voc/VGG16/fast_rcnn/test.prototxt",
+              "ROIPooling of 8 regions; Dropout with scale_train: false (caffe-fast-rcnn)",
+              **FAST_RCNN),
 ]
 
 
@@ -205,13 +241,19 @@ def layer_prototxt(case):
     return "\n".join(lines) + "\n"
 
 
-def random_weights(model, weights, seed=1, conf_gain=4.0):
+def random_weights(model, weights, seed=1, conf_gain=4.0, he_weights=False):
     """Save the net's random weights (see the module docstring) as a .caffemodel."""
     import caffepar as caffe
     caffe.set_random_seed(seed)
     net = caffe.Net(str(model), caffe.TEST)
+    rng = np.random.default_rng(seed)
     for name, layer in zip(net._layer_names, net.layers):
         blobs = net.params.get(name, [])
+        if he_weights and blobs:
+            w = blobs[0].data
+            w[...] = rng.standard_normal(w.shape) * np.sqrt(2.0 / max(1, np.prod(w.shape[1:])))
+            for b in blobs[1:]:
+                b.data[...] = rng.standard_normal(b.shape) * 0.01
         if layer.type == "BatchNorm":
             blobs[0].data[...], blobs[1].data[...], blobs[2].data[...] = 0, 1, 1
         if layer.type == "BN" and len(blobs) == 4:      # PSPNet's moving statistics
@@ -221,42 +263,46 @@ def random_weights(model, weights, seed=1, conf_gain=4.0):
     net.save(str(weights))
 
 
-def run_caffepar(model, weights, feeds, output):
+def run_caffepar(model, weights, feeds, outputs):
     import caffepar as caffe
     net = caffe.Net(str(model), str(weights), caffe.TEST)
     for name, value in feeds.items():
         net.blobs[name].reshape(*value.shape)
         net.blobs[name].data[...] = value
     net.reshape()
-    return net.forward()[output].copy()
+    out = net.forward(blobs=list(outputs))
+    return [out[o].copy() for o in outputs]
 
 
-def run_opencv(model, weights, feeds, output):
+def run_opencv(model, weights, feeds, outputs):
     import cv2
     net = (cv2.dnn.readNetFromCaffe(str(model), str(weights)) if weights
            else cv2.dnn.readNetFromCaffe(str(model)))
     for name, value in feeds.items():
         net.setInput(np.ascontiguousarray(value), name)
-    return np.asarray(net.forward(output))
+    return [np.asarray(v) for v in net.forward(list(outputs))]
 
 
-def run_onnx(path, feeds):
+def run_onnx(path, feeds, outputs):
+    """The outputs by name, or (another converter's names) the graph's first ones in order."""
     import onnxruntime as ort
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
-    if set(names) <= set(feeds):
-        return session.run(None, {k: feeds[k] for k in names})[0]
-    # Another converter's own input names: the net's inputs in order.
-    return session.run(None, dict(zip(names, feeds.values())))[0]
+    if not set(names) <= set(feeds):
+        # Another converter's own input names: the net's inputs in order.
+        feeds = dict(zip(names, feeds.values()))
+    have = [o.name for o in session.get_outputs()]
+    wanted = list(outputs) if set(outputs) <= set(have) else have[:len(outputs)]
+    return session.run(wanted, {k: feeds[k] for k in names})
 
 
-def run_caffepar_onnx(model, weights, feeds, out):
+def run_caffepar_onnx(model, weights, feeds, out, outputs):
     from caffepar.convert.onnx_export import export_onnx
     export_onnx(model, weights, out)
-    return run_onnx(out, feeds)
+    return run_onnx(out, feeds, outputs)
 
 
-def run_caffe2onnx(python, model, weights, feeds, out, timeout=600):
+def run_caffe2onnx(python, model, weights, feeds, out, outputs, timeout=600):
     env = dict(os.environ, PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION="python")
     proc = subprocess.run([python, "-m", "caffe2onnx.convert", "--prototxt", str(model),
                            "--caffemodel", str(weights), "--onnx", str(out)],
@@ -265,7 +311,7 @@ def run_caffe2onnx(python, model, weights, feeds, out, timeout=600):
         tail = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
         raise RuntimeError("conversion fails: " + (tail[-1] if tail else f"exit {proc.returncode}"))
     try:
-        return run_onnx(out, feeds)
+        return run_onnx(out, feeds, outputs)
     except Exception as e:  # onnxruntime's own exceptions
         raise RuntimeError("converts; onnxruntime cannot run it: " + _first(e)) from None
 
@@ -274,6 +320,18 @@ def run_caffe2onnx(python, model, weights, feeds, out, timeout=600):
 def sorted_rows(d):
     rows = np.asarray(d, np.float64).reshape(-1, 7)
     return rows[np.lexsort(rows.T[::-1])]
+
+
+def compare_all(got, want, names, detections):
+    """compare() of each output; with several, 'agrees' only if every one does, and each
+    named."""
+    if len(names) == 1:
+        return compare(got[0], want[0], detections)
+    parts = [(n, compare(g, w, detections)) for n, g, w in zip(names, got, want)]
+    ok = all(text.startswith("agrees") for _n, text in parts)
+    return f"{'agrees' if ok else 'differs'}: " + "; ".join(
+        f"{n} {text.split(': ', 1)[1] if text.startswith(('agrees', 'differs')) else text}"
+        for n, text in parts)
 
 
 def compare(got, want, detections):
@@ -299,27 +357,28 @@ def _first(e):
     return (text[0] if text else type(e).__name__)[:200]
 
 
-def check(name, kind, model, feeds, output, detections, work, caffe2onnx, note="",
-          cv_output=None, conf_gain=4.0):
-    """One row: what each tool does with the net. OpenCV names outputs by layer
-    (`cv_output`, default the top's name)."""
+def check(name, kind, model, feeds, outputs, detections, work, caffe2onnx, note="",
+          cv_outputs=None, conf_gain=4.0, he_weights=False):
+    """One row: what each tool does with the net, on each of `outputs` (blob names). OpenCV
+    names outputs by layer (`cv_outputs`, default the tops' names)."""
     from caffepar.errors import CaffeparError
     row = {"item": name, "kind": kind, "note": note}
     weights = work / "random.caffemodel"
+    cv_outputs = cv_outputs or outputs
     try:
-        random_weights(model, weights, conf_gain=conf_gain)
-        ours = run_caffepar(model, weights, feeds, output)
-        row["caffepar"] = (f"runs: {len(sorted_rows(ours))} detections" if detections
-                           else f"runs: output {tuple(ours.shape)}")
+        random_weights(model, weights, conf_gain=conf_gain, he_weights=he_weights)
+        ours = run_caffepar(model, weights, feeds, outputs)
+        row["caffepar"] = (f"runs: {len(sorted_rows(ours[0]))} detections" if detections
+                           else "runs: output " + ", ".join(str(tuple(o.shape)) for o in ours))
     except CaffeparError as e:
         row["caffepar"] = "refuses: " + _first(e)
         ours = None
-    for column, runner in (("opencv", lambda: run_opencv(model, weights, feeds,
-                                                          cv_output or output)),
+    for column, runner in (("opencv", lambda: run_opencv(model, weights, feeds, cv_outputs)),
                            ("caffepar_onnx", lambda: run_caffepar_onnx(
-                               model, weights, feeds, work / "caffepar.onnx")),
+                               model, weights, feeds, work / "caffepar.onnx", outputs)),
                            ("caffe2onnx", lambda: run_caffe2onnx(
-                               caffe2onnx, model, weights, feeds, work / "caffe2onnx.onnx"))):
+                               caffe2onnx, model, weights, feeds, work / "caffe2onnx.onnx",
+                               outputs))):
         if column == "caffe2onnx" and not caffe2onnx:
             row[column] = "not run (no --caffe2onnx interpreter)"
             continue
@@ -331,7 +390,7 @@ def check(name, kind, model, feeds, output, detections, work, caffe2onnx, note="
                 row[column] = "-"
                 continue
             # caffepar could not build the net to save weights: OpenCV on the prototxt alone.
-            runner = lambda: run_opencv(model, None, feeds, cv_output or output)  # noqa: E731
+            runner = lambda: run_opencv(model, None, feeds, cv_outputs)  # noqa: E731
         try:
             theirs = runner()
         except Exception as e:  # each tool's own exceptions, reported as its answer
@@ -339,9 +398,9 @@ def check(name, kind, model, feeds, output, detections, work, caffe2onnx, note="
             continue
         if ours is None:
             row[column] = f"runs{'' if weights.exists() else ' (no weights)'}: output " \
-                f"{tuple(np.shape(theirs))}"
+                + ", ".join(str(tuple(np.shape(t))) for t in theirs)
         else:
-            row[column] = compare(theirs, ours, detections)
+            row[column] = compare_all(theirs, ours, outputs, detections)
     # Messages name files of the scratch folder: keep their names only.
     return {k: v.replace(f"{work}{os.sep}", "") if isinstance(v, str) else v
             for k, v in row.items()}
@@ -367,13 +426,13 @@ def layer_rows(caffe2onnx, only):
                        "caffepar_onnx": "-", "note": case.note}
                 try:
                     row["opencv"] = "runs (no weights): output " + str(
-                        tuple(np.shape(run_opencv(model, None, feeds, "l"))))
+                        tuple(np.shape(run_opencv(model, None, feeds, ["l"])[0])))
                 except Exception as e:  # OpenCV's own exceptions
                     row["opencv"] = "fails (no weights): " + _first(e)
                 row["caffe2onnx"] = "-"
             else:
-                row = check(label, "layer", model, feeds, "y", case.detections, work,
-                            caffe2onnx, case.note, cv_output="l")
+                row = check(label, "layer", model, feeds, ["y"], case.detections, work,
+                            caffe2onnx, case.note, cv_outputs=["l"])
             row["opencv_differs"] = case.opencv_differs
         print(f"[{i + 1}/{len(LAYER_CASES)}] {row['item']}: {row['caffepar']} | OpenCV "
               f"{row['opencv']} | ONNX {row['caffepar_onnx']} | caffe2onnx {row['caffe2onnx']}",
@@ -394,12 +453,12 @@ def model_rows(cache, caffe2onnx, only):
                          f"(run with --fetch, or put {p.path} at {p.file})", "opencv": "-",
                          "caffepar_onnx": "-", "caffe2onnx": "-", "note": p.note})
             continue
-        rng = np.random.default_rng(300)
-        feeds = {"data": rng.uniform(-1, 1, (1, 3, 300, 300)).astype(np.float32)}
+        feeds = p.feeds(np.random.default_rng(300))
         with tempfile.TemporaryDirectory() as tmp:
-            row = check(label, "model", path, feeds, "detection_out", True, Path(tmp),
-                        caffe2onnx, p.note, conf_gain=p.conf_gain)
-            row["note"] = (p.note + "; " if p.note else "") + "random weights"
+            row = check(label, "model", path, feeds, list(p.outputs), p.detections, Path(tmp),
+                        caffe2onnx, p.note, conf_gain=p.conf_gain, he_weights=p.he_weights)
+            row["note"] = (p.note + "; " if p.note else "") + \
+                ("random weights N(0, 2/fan-in)" if p.he_weights else "random weights")
         print(f"{row['item']}: {row['caffepar']} | OpenCV {row['opencv']} | ONNX "
               f"{row['caffepar_onnx']} | caffe2onnx {row['caffe2onnx']}", flush=True)
         rows.append(row)
@@ -463,7 +522,9 @@ def write(out, rows, caffe2onnx):
              summary(rows), "",
              "Published models are their prototxts with random weights (their caffemodels are "
              "not fetched). Comparisons are against caffepar's output: dense outputs with rtol "
-             "1e-4 (atol 1e-5); detections sorted, same count, rtol 1e-4 (atol 1e-5).", "",
+             "1e-4 (atol 1e-5); detections sorted, same count, rtol 1e-4 (atol 1e-5). A row "
+             f"whose note ends in \"{EARLIER.strip()}\" was not run this time (`--only`, or "
+             "its prototxt was not in the cache) and keeps an earlier run's result.", "",
              "caffe2onnx pins an onnx release that does not build on this Python; it was "
              "installed without its dependencies beside the onnx named above, so an error in its "
              "column may also come from that newer onnx (the empty `max_sizes` error is raised "
@@ -475,6 +536,42 @@ def write(out, rows, caffe2onnx):
                      + " |")
     Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out}.csv and {out}.md")
+
+
+def labels():
+    """Every row's item, in the order rows are written (LAYER_CASES, then PUBLISHED)."""
+    out = []
+    for case in LAYER_CASES:
+        inner = case.params.split("{", 1)[1].strip(" }") if "{" in case.params else ""
+        out.append(f"{case.type} ({inner[:70]})" if inner else case.type)
+    return out + [f"{p.name} ({p.repo}: {p.path})" for p in PUBLISHED]
+
+
+EARLIER = " (earlier run)"
+
+
+def with_earlier(rows, out):
+    """`rows` and, for every item this run gave no result (not chosen by --only, or a
+    published prototxt not in this cache), the row OUT.csv holds from an earlier run, its
+    note saying so; in the order of labels()."""
+    path = Path(f"{out}.csv")
+    done = {r["item"] for r in rows if not str(r.get("caffepar", "")).startswith("not in the cache")}
+    merged = [r for r in rows if r["item"] in done]
+    if path.exists():
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                if r["item"] not in done and not r["caffepar"].startswith("not in the cache"):
+                    note = r.get("note", "")
+                    r["note"] = note if note.endswith(EARLIER) else note + EARLIER
+                    merged.append(r)
+                    done.add(r["item"])
+    merged += [r for r in rows if r["item"] not in done]
+    cases = {label: case for label, case in zip(labels(), LAYER_CASES)}
+    for r in merged:
+        if r["item"] in cases:
+            r.setdefault("opencv_differs", cases[r["item"]].opencv_differs)
+    order = {label: i for i, label in enumerate(labels())}
+    return sorted(merged, key=lambda r: order.get(r["item"], len(order)))
 
 
 def main():
@@ -490,7 +587,7 @@ def main():
     if args.fetch:
         fetch(cache)
     rows = layer_rows(args.caffe2onnx, args.only) + model_rows(cache, args.caffe2onnx, args.only)
-    write(Path(args.out), rows, args.caffe2onnx)
+    write(Path(args.out), with_earlier(rows, args.out), args.caffe2onnx)
     bad = [r for r in rows if any(str(r.get(c, "")).startswith("differs")
                                   for c in ("opencv", "caffepar_onnx")
                                   if not (c == "opencv" and r.get("opencv_differs")))]

@@ -48,3 +48,17 @@ def test_published_ssd_models_agree_with_opencv():
         assert row["caffepar"].startswith("runs"), row
         assert row["opencv"].startswith("agrees"), row
         assert row["caffepar_onnx"].startswith("agrees"), row
+
+
+def test_fast_rcnn_zf_agrees_with_opencv():
+    """py-faster-rcnn's ZF Fast R-CNN test prototxt (Dropout with scale_train: false,
+    ROIPooling of valid regions, random N(0, 2/fan-in) weights) where it is in the cache:
+    cls_prob and bbox_pred are OpenCV's (rtol 1e-4), and its ONNX export's."""
+    cache = script.cache_root()
+    if not (cache / "fast_rcnn_zf_test.prototxt").exists():
+        pytest.skip(f"fast_rcnn_zf_test.prototxt (py-faster-rcnn's models/pascal_voc/ZF/"
+                    f"fast_rcnn/test.prototxt) is not in {cache}")
+    row, = script.model_rows(cache, None, ["Fast R-CNN ZF"])
+    assert row["caffepar"] == "runs: output (8, 21), (8, 84)", row
+    assert row["opencv"].startswith("agrees: cls_prob max abs diff"), row
+    assert row["caffepar_onnx"].startswith("agrees"), row

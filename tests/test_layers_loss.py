@@ -121,7 +121,7 @@ def test_softmax_with_loss_prob_top():
                        tops=("loss", "prob")), {"x": x, "label": label})
     np.testing.assert_allclose(two.blobs["prob"].data, np_softmax(x, 1), rtol=1e-12)
     np.testing.assert_allclose(two.blobs["loss"].data, one.blobs["loss"].data)
-    assert two.layers[1].loss_weights == [1.0, 0.0]
+    assert two.layers[1].loss_weights == (1.0, 0.0)
     one.backward()
     two.backward()
     np.testing.assert_allclose(two.blobs["x"].diff, one.blobs["x"].diff)

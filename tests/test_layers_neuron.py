@@ -282,6 +282,32 @@ def test_dropout_train_mask_and_scale(in_place):
     np.testing.assert_allclose(dx[kept], dy[kept] * np.float32(1 / (1 - ratio)), rtol=1e-6)
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_dropout_scale_train_false(in_place):
+    """caffe-fast-rcnn's `scale_train: false` (its Fast R-CNN test nets set it): TRAIN keeps
+    the kept values as they are, TEST multiplies by 1 - ratio; both directions, and the
+    gradients by numeric check."""
+    ratio = 0.3
+    text = net_text("Dropout", f"dropout_param {{ dropout_ratio: {ratio} scale_train: false }}",
+                    in_place=in_place)
+    x = randn()
+    _, y = run_forward(text, x)
+    np.testing.assert_allclose(y, x * (1 - f32(ratio)), rtol=1e-12)
+    check_net_gradients(text, {"x": x})
+    common.set_random_seed(11)
+    net = build(text, TRAIN, np.float32)
+    net.blobs["x"].data[...] = x
+    net.forward_from_to()
+    y = net.blobs["y"].data.copy()
+    kept = y != 0
+    assert 0 < kept.mean() < 1
+    np.testing.assert_array_equal(y[kept], x.astype(np.float32)[kept])
+    dy = randn(seed=2).astype(np.float32)
+    net.blobs["y"].diff[...] = dy
+    net.backward_from_to()
+    np.testing.assert_array_equal(net.blobs["x"].diff, np.where(kept, dy, 0))
+
+
 def test_dropout_train_gradient_with_fixed_mask():
     """Re-seeding before every forward keeps the mask fixed, so the numeric check applies."""
     text = net_text("Dropout", "dropout_param { dropout_ratio: 0.4 }")

@@ -262,7 +262,7 @@ def test_huge_net_build_shows_progress_and_too_huge_is_refused_up_front(tmp_path
     line before it is built."""
     from caffepar import logs
     from caffepar.cli import main
-    path = _relu_chain(tmp_path / "chain.prototxt", 999)
+    path = _relu_chain(tmp_path / "chain.prototxt", 1999)
     # As in a fresh process with no log set up (an earlier test's may still hold its stream).
     monkeypatch.setattr(logs.LOGGER, "disabled", True)
     monkeypatch.setattr(Net, "PROGRESS_LAYERS", 100)
@@ -270,14 +270,14 @@ def test_huge_net_build_shows_progress_and_too_huge_is_refused_up_front(tmp_path
         main(["convert", "info", str(path)])
     err = capsys.readouterr().err
     assert ended.value.code == 0
-    assert f"Building {path}: 50% (500 of 1,000 layers)" in err.splitlines()
-    monkeypatch.setattr(logs, "available_memory", lambda: 3 << 20)
+    assert f"Building {path}: 50% (1,000 of 2,000 layers)" in err.splitlines()
+    monkeypatch.setattr(logs, "available_memory", lambda: 2 << 20)
     with pytest.raises(SystemExit) as ended:
         main(["time", "--model", str(path), "--iterations", "1"])
     err = capsys.readouterr().err
     assert ended.value.code == 1
-    assert err.strip() == (f"caffepar: {path}: error: the net has 1,000 layers: building them "
-                           "needs about 4 MB, and this machine has 3 MB available")
+    assert err.strip() == (f"caffepar: {path}: error: the net has 2,000 layers: building them "
+                           "needs about 3 MB, and this machine has 2 MB available")
 
 
 FOLD_NET = """
@@ -485,3 +485,15 @@ def test_pooling_run_inside_the_convolution_gives_the_bits_of_layers_run_alone(
     assert (net.blobs["pool1"].data == 7).all()     # pool1 not in the span: not run
     net.forward(start="pool1", end="relu1")
     np.testing.assert_array_equal(net.blobs["pool1"].data, alone["pool1"][0])
+
+
+def test_layers_share_their_lists_of_blob_ids_which_cannot_be_changed_in_place(tmp_path):
+    """Layers wired alike share one list of blob ids (a huge net's memory); it compares as a
+    list, and changing it in place, which would rewire every layer sharing it, is an error."""
+    net = Net(str(_relu_chain(tmp_path / "chain.prototxt", 3)))
+    assert net.bottom_ids[1] is net.bottom_ids[2] and net.bottom_ids[1] == [0]
+    assert net.top_ids[1] == net.bottom_ids[1]
+    with pytest.raises(TypeError, match="shared by several layers"):
+        net.bottom_ids[1][0] = 5
+    with pytest.raises(TypeError, match="shared by several layers"):
+        net.top_ids[2].append(0)

@@ -40,7 +40,7 @@ REFUSED = {
     "argmax_axis1_top2": "ArgMax with an axis, top_k 1",
     "argmax_top3_outmax": "ArgMax with an axis",
     "batchnorm_batchstats_testphase": "use_global_stats: false",
-    "silence": "the net has no outputs",
+    "silence": "the net has no output",
 }
 """Golden cases with settings ONNX cannot express: refused with a message naming them."""
 
@@ -422,14 +422,20 @@ def test_a_net_that_ties_its_batch_is_exported_at_its_own_saying_why(tmp_path, c
     assert result.note.startswith("the batch size is fixed at 2: ") and '"flat"' in result.note
     check(result)
     with pytest.raises(SystemExit) as e:
-        main(["convert", "onnx", str(path), str(_zero_weights(tmp_path, result.net)),
+        main(["convert", "onnx", str(path), str(_drawn_weights(tmp_path, result.net)),
               str(tmp_path / "t.onnx"), "--verify"])
     out, err = capsys.readouterr()
     assert e.value.code == 0, err
     assert "note: the batch size is fixed at 2" in out and "at both sizes" not in out
 
 
-def _zero_weights(tmp_path, net):
+def _drawn_weights(tmp_path, net):
+    """The net's weights drawn at random (the FCN's have no fillers: zeros would make every
+    output a constant, which --verify refuses to call verified)."""
+    rng = np.random.default_rng(0)
+    for blobs in net.params.values():
+        for blob in blobs:
+            blob.data[...] = rng.standard_normal(blob.shape) * 0.3
     path = tmp_path / "w.caffemodel"
     net.save(str(path))
     return path
@@ -439,7 +445,7 @@ def test_cli_dynamic_spatial_verifies_two_sizes(tmp_path, capsys):
     path = tmp_path / "fcn.prototxt"
     path.write_text(FCN)
     net = Net(str(path), TEST)
-    weights = _zero_weights(tmp_path, net)
+    weights = _drawn_weights(tmp_path, net)
     with pytest.raises(SystemExit) as e:
         main(["convert", "onnx", str(path), str(weights), str(tmp_path / "f.onnx"),
               "--dynamic-spatial", "--verify"])
@@ -490,3 +496,53 @@ def test_verify_names_batchnorm_layers_without_statistics(tmp_path, capsys):
     assert ended.value.code == 1
     assert "BatchNorm layer(s) bn1, bn2, bn3 have no statistics" in err
     assert "diverged" not in err and err.count("\n") == 1
+
+
+NAN_THEN_THRESHOLD = """name: "nan"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 6 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"
+        inner_product_param { num_output: 4 } }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+        inner_product_param { num_output: 3 } }
+layer { name: "t" type: "Threshold" bottom: "ip2" top: "t" }
+"""
+
+
+def test_verify_refuses_when_most_blobs_are_not_finite(tmp_path, capsys):
+    """NaN weights whose NaNs a Threshold turns into zeros: both sides agree on every output
+    value, and the comparison tested nothing, which --verify says instead of "verified"."""
+    net_path = tmp_path / "net.prototxt"
+    net_path.write_text(NAN_THEN_THRESHOLD)
+    weights = tmp_path / "w.npz"
+    np.savez(weights, **{"ip1/0": np.full((4, 6), np.nan, np.float32),
+                         "ip1/1": np.zeros(4, np.float32), "ip2/0": np.ones((3, 4), np.float32),
+                         "ip2/1": np.zeros(3, np.float32)})
+    with pytest.raises(SystemExit) as ended:
+        main(["convert", "onnx", str(net_path), str(weights), str(tmp_path / "x.onnx"),
+              "--verify"])
+    out, err = capsys.readouterr()
+    assert ended.value.code == 1 and err.count("\n") == 1, err
+    assert "t: max |onnxruntime - caffepar| = 0" in out and "verified" not in out
+    assert ("error: not verified: 2 of the 3 blobs of caffepar's forward pass on random input "
+            "hold NaN or infinite values (the first: 'ip1'), so outputs 't' hold no computed "
+            "values to compare") in err
+
+
+def test_verify_refuses_when_the_outputs_do_not_depend_on_the_input(tmp_path, capsys):
+    """A deploy net without fillers (Fast R-CNN's) and weights saved from it: every weight is
+    0, every probability 1/5, and --verify says so rather than "verified"."""
+    import caffepar as caffe
+    net_path = tmp_path / "net.prototxt"
+    net_path.write_text(
+        'layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 6 } } }\n'
+        'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+        "inner_product_param { num_output: 5 } }\n"
+        'layer { name: "prob" type: "Softmax" bottom: "ip" top: "prob" }\n')
+    caffe.Net(str(net_path), caffe.TEST).save(str(tmp_path / "w.caffemodel"))
+    with pytest.raises(SystemExit) as ended:
+        main(["convert", "onnx", str(net_path), str(tmp_path / "w.caffemodel"),
+              str(tmp_path / "x.onnx"), "--verify"])
+    out, err = capsys.readouterr()
+    assert ended.value.code == 1 and err.count("\n") == 1, err
+    assert ("error: not verified: another random input gives the same 'prob': the outputs do "
+            "not depend on the input (are the weights placeholders, all zeros?)") in err

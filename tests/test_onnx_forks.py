@@ -176,3 +176,96 @@ def test_bn_exports_and_segnet_learn_mode_is_refused(tmp_path):
     text = (Path(__file__).parent / "fork_layers" / "bn_segnet.prototxt").read_text()
     with pytest.raises(OnnxExportError, match=r'"bn" \(BN\): SegNet.s BN in LEARN mode'):
         _export(tmp_path, text.replace("INFERENCE", "LEARN"))
+
+
+def _cli(tmp_path, text, capsys, weights=None, extra=()):
+    """`caffepar convert onnx --verify` on `text` (weights: the fillers' values, or a file):
+    (exit status, stdout, stderr)."""
+    import caffepar as caffe
+    from caffepar.cli import main
+    net_path = tmp_path / "net.prototxt"
+    net_path.write_text(text)
+    if weights is None:
+        weights = tmp_path / "w.caffemodel"
+        caffe.set_random_seed(3)
+        caffe.Net(str(net_path), caffe.TEST).save(str(weights))
+    with pytest.raises(SystemExit) as ended:
+        main(["convert", "onnx", str(net_path), str(weights), str(tmp_path / "n.onnx"),
+              "--verify", *extra])
+    out, err = capsys.readouterr()
+    return ended.value.code, out, err
+
+
+ROI_NET = """name: "fast_rcnn_head"
+input: "data" input_shape { dim: 2 dim: 3 dim: 32 dim: 40 }
+input: "rois" input_shape { dim: 6 dim: 5 }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param { num_output: 4 kernel_size: 3 stride: 2 pad: 1
+                      weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "pool" type: "ROIPooling" bottom: "conv" bottom: "rois" top: "pool"
+  roi_pooling_param { pooled_h: 2 pooled_w: 3 spatial_scale: 0.5 } }
+layer { name: "fc" type: "InnerProduct" bottom: "pool" top: "fc"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "drop" type: "Dropout" bottom: "fc" top: "fc"
+  dropout_param { dropout_ratio: 0.4 scale_train: false } }
+layer { name: "prob" type: "Softmax" bottom: "fc" top: "prob" }
+"""
+
+
+def test_verify_feeds_valid_regions_to_a_roi_input(tmp_path, capsys):
+    """--verify on a Fast R-CNN head whose regions are a net input: regions with a batch
+    index in range, x1 <= x2, y1 <= y2, inside the image (the features' size over
+    spatial_scale), at both batch sizes; caffepar and onnxruntime agree (scale_train: false
+    exported as the multiplication by 1 - ratio)."""
+    from caffepar.convert.verify import random_inputs
+    result = export_onnx(_write(tmp_path, ROI_NET), None)
+    for shapes in (result.inputs, result.other_inputs):
+        result.net.blobs["data"].reshape(shapes["data"])
+        result.net.blobs["rois"].reshape(shapes["rois"])
+        result.net.reshape()
+        rois = random_inputs(result.net, seed=7)["rois"]
+        assert rois.shape == tuple(shapes["rois"])
+        batch, x1, y1, x2, y2 = rois.T
+        assert np.array_equal(batch, np.round(batch))
+        assert batch.min() >= 0 and batch.max() < shapes["data"][0]
+        assert (x1 <= x2).all() and (y1 <= y2).all() and x1.min() >= 0 and y1.min() >= 0
+        assert x2.max() < 40 and y2.max() < 32          # the image: 20 x 16 features / 0.5
+        assert len(set(batch)) > 1 or shapes["data"][0] == 1
+    code, out, err = _cli(tmp_path, ROI_NET, capsys)
+    assert code == 0 and not err, err
+    assert "verified: onnxruntime matches caffepar at both sizes" in out
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "net.prototxt"
+    path.write_text(text)
+    return path
+
+
+def test_an_onnxruntime_failure_is_one_line(tmp_path, capsys, monkeypatch):
+    """Whatever onnxruntime refuses (here regions of an image the batch lacks) ends in one
+    line naming the inputs and onnxruntime's reason, not its traceback."""
+    from caffepar.convert import verify
+
+    def bad_regions(net, seed=0):
+        inputs = random_inputs(net, seed)
+        inputs["rois"][:, 0] = 7
+        return inputs
+    random_inputs = verify.random_inputs
+    monkeypatch.setattr(verify, "random_inputs", bad_regions)
+    code, out, err = _cli(tmp_path, ROI_NET, capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert "error: onnxruntime cannot run the exported model on the inputs data (2, 3, 32, " \
+           "40), rois (6, 5): " in err
+    assert "Status Message: roi_batch_id < batch_size was false." in err
+    assert "Traceback" not in err and "onnxruntime_src" not in err
+
+
+def test_silence_is_dropped(tmp_path, capsys):
+    """Silence (MobileNetV2-SSDLite's deploy file has one) does nothing at inference."""
+    text = ROI_NET.replace('layer { name: "prob"', 'layer { name: "mute" type: "Silence" '
+                           'bottom: "pool" }\nlayer { name: "prob"')
+    result = export_onnx(_write(tmp_path, text), None)
+    assert result.outputs == ["prob"]
+    code, out, err = _cli(tmp_path, text, capsys)
+    assert code == 0 and "verified" in out, err

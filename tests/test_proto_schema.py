@@ -100,6 +100,7 @@ FORK_FIELDS_MOBILE_SEGMENTATION_DETECTION = {
     ("caffe.LayerParameter", "roi_pooling_param"): 8266711,
     ("caffe.PoolingParameter", "ceil_mode"): 1013,
     ("caffe.LayerParameter", "bn_param"): 152,
+    ("caffe.DropoutParameter", "scale_train"): 2,
 }
 EXTENSIONS.update(FORK_FIELDS_MOBILE_SEGMENTATION_DETECTION)
 EXTENSION_MESSAGES |= {"caffe.ShuffleChannelParameter", "caffe.InterpParameter",

@@ -4,6 +4,7 @@ Built from a real Net (so shapes are the shapes caffepar runs), without copying 
 a weights file is only compared layer by layer, which keeps `info` on a 553 MB model fast.
 FLOPs count a multiply and an add as two operations, for one forward pass of the whole batch.
 """
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -11,10 +12,10 @@ import numpy as np
 from caffepar.io.weights import _shape_str
 from caffepar.nn.vision import _ConvolutionBase
 
-__all__ = ["LayerInfo", "NetInfo", "net_info", "format_info", "layer_flops"]
+__all__ = ["LayerInfo", "NetInfo", "net_info", "format_info", "info_lines", "layer_flops"]
 
 
-@dataclass
+@dataclass(slots=True)
 class LayerInfo:
     name: str
     type: str
@@ -45,7 +46,7 @@ class NetInfo:
 
 
 def _count(shape):
-    return int(np.prod(shape, dtype=np.int64)) if shape is not None else 0
+    return math.prod(shape) if shape is not None else 0
 
 
 def layer_flops(layer, bottom_shapes, top_shapes):
@@ -125,29 +126,39 @@ def _compare(net, model):
     return matched, missing, unused, mismatched
 
 
+class _LayerInfos:
+    """NetInfo.layers: a LayerInfo for each layer the prototxt wrote (no automatic Split),
+    made afresh at each iteration from the net, so that a net of millions of layers does not
+    hold them all (format_info goes over them twice)."""
+
+    def __init__(self, net):
+        self.net = net
+
+    def __iter__(self):
+        net = self.net
+        for i, layer in enumerate(net.layers):
+            if _auto_split(net, layer):
+                continue
+            bshapes = [net.blob_list[b].shape for b in net.bottom_ids[i]]
+            tshapes = [net.blob_list[t].shape for t in net.top_ids[i]]
+            # By position: two layers may share a name (Caffe allows it), not net.bottom_names.
+            yield LayerInfo(layer.name, layer.type, [net.blob_names[b] for b in net.bottom_ids[i]],
+                            [net.blob_names[t] for t in net.top_ids[i]], tshapes,
+                            sum(b.count for b in layer.blobs), [tuple(b.shape) for b in layer.blobs],
+                            layer_flops(layer, bshapes, tshapes))
+
+
 def net_info(model, weights=None, phase=None, level=0, stages=()):
     """NetInfo for a prototxt (path or Net) and, optionally, a weights file of any format."""
     from caffepar.graph.net import TEST, Net
     from caffepar.parallel.plan import make_plan
     net = model if isinstance(model, Net) else \
         Net(model, phase=TEST if phase is None else phase, level=level, stages=stages)
-    layers = []
-    for i, layer in enumerate(net.layers):
-        if _auto_split(net, layer):
-            continue
-        bshapes = [tuple(net.blob_list[b].shape) for b in net.bottom_ids[i]]
-        tshapes = [tuple(net.blob_list[t].shape) for t in net.top_ids[i]]
-        params = sum(b.count for b in layer.blobs)
-        # By position: two layers may share a name (Caffe allows it), so not net.bottom_names.
-        layers.append(LayerInfo(layer.name, layer.type,
-                                [net.blob_names[b] for b in net.bottom_ids[i]],
-                                [net.blob_names[t] for t in net.top_ids[i]], tshapes, params,
-                                [tuple(b.shape) for b in layer.blobs],
-                                layer_flops(layer, bshapes, tshapes)))
+    layers = _LayerInfos(net)
     # Shared parameters are stored once.
     params = sum(b.count for b in net.learnable_params)
     seen, activations = set(), 0
-    for name, blob in net.blobs.items():
+    for blob in net.blob_list:
         if id(blob) not in seen:
             seen.add(id(blob))
             activations += blob.count * blob.data.itemsize
@@ -176,37 +187,44 @@ def _shape_text(shapes):
 
 def format_info(info):
     """The report `caffepar convert info` prints."""
-    modes = {p.name: p.mode for p in info.plan}
-    rows = [("layer", "type", "bottoms -> tops", "output shape", "params", "MB", "MFLOPs",
-             "mode")]
+    return "\n".join(info_lines(info))
+
+
+def _rows(info, modes):
+    yield ("layer", "type", "bottoms -> tops", "output shape", "params", "MB", "MFLOPs", "mode")
     for lay in info.layers:
-        rows.append((lay.name, lay.type,
-                     f"{','.join(lay.bottoms) or '-'} -> {','.join(lay.tops) or '-'}",
-                     _shape_text(lay.top_shapes), f"{lay.params:,}" if lay.params else "",
-                     f"{lay.params * 4 / 2 ** 20:.2f}" if lay.params else "",
-                     f"{lay.flops / 1e6:.1f}" if lay.flops else "", modes.get(lay.name, "")))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        yield (lay.name, lay.type, f"{','.join(lay.bottoms) or '-'} -> {','.join(lay.tops) or '-'}",
+               _shape_text(lay.top_shapes), f"{lay.params:,}" if lay.params else "",
+               f"{lay.params * 4 / 2 ** 20:.2f}" if lay.params else "",
+               f"{lay.flops / 1e6:.1f}" if lay.flops else "", modes.get(lay.name, ""))
+
+
+def info_lines(info):
+    """format_info's lines, one at a time: the table is gone over twice (its column widths,
+    then its lines), never held whole."""
+    modes = {p.name: p.mode for p in info.plan}
+    widths = [0] * 8
+    for row in _rows(info, modes):
+        widths = [max(w, len(v)) for w, v in zip(widths, row)]
     right = {4, 5, 6}
-    lines = [f'net "{info.name}": inputs '
-             + ", ".join(f"{n} {_shape_text([s])}" for n, s in info.inputs.items())
-             + f"; outputs {', '.join(info.outputs)}"]
-    for r in rows:
-        lines.append("  ".join(v.rjust(w) if c in right else v.ljust(w)
-                               for c, (v, w) in enumerate(zip(r, widths))).rstrip())
-    lines.append(f"total: {info.params:,} parameters ({info.param_bytes / 2 ** 20:.1f} MB), "
-                 f"{info.activation_bytes / 2 ** 20:.1f} MB of activations, "
-                 f"{_human(info.flops, 'FLOPs')} per forward pass")
+    yield (f'net "{info.name}": inputs '
+           + ", ".join(f"{n} {_shape_text([s])}" for n, s in info.inputs.items())
+           + f"; outputs {', '.join(info.outputs)}")
+    for row in _rows(info, modes):
+        yield "  ".join(v.rjust(w) if c in right else v.ljust(w)
+                        for c, (v, w) in enumerate(zip(row, widths))).rstrip()
+    yield (f"total: {info.params:,} parameters ({info.param_bytes / 2 ** 20:.1f} MB), "
+           f"{info.activation_bytes / 2 ** 20:.1f} MB of activations, "
+           f"{_human(info.flops, 'FLOPs')} per forward pass")
     if info.plan:
         model = [p.name for p in info.plan if p.mode == "MODEL"]
-        lines.append("parallel plan (hybrid default): "
-                     + (f"MODEL {', '.join(model)}; " if model else "")
-                     + "all other parameterised layers DATA")
+        yield ("parallel plan (hybrid default): " + (f"MODEL {', '.join(model)}; " if model else "")
+               + "all other parameterised layers DATA")
     if info.weights_path is not None:
-        lines.append(f"weights {info.weights_path}: {len(info.matched)} layer(s) match")
+        yield f"weights {info.weights_path}: {len(info.matched)} layer(s) match"
         for label, items in (("missing (net layers with no weights in the file)", info.missing),
                              ("unused (file layers not in the net)", info.unused)):
             if items:
-                lines.append(f"  {label}: {', '.join(items)}")
+                yield f"  {label}: {', '.join(items)}"
         for m in info.mismatched:
-            lines.append(f"  shape mismatch: {m}")
-    return "\n".join(lines)
+            yield f"  shape mismatch: {m}"

@@ -104,19 +104,26 @@ def save_npz(model, path):
 
 
 def _layer_params(model):
-    """The blob-free LayerParameters a binary model carried, by layer name (V1 models come
-    upgraded), so a binary -> binary conversion keeps each layer's definition."""
-    params = {}
+    """The blob-free LayerParameters a binary model carried, one per layer of model.layers
+    (None where there is none), with the bytes of the fields each kept unread; matched by
+    position when the file's layers are model.layers (V2 files: layers of one name keep
+    theirs), else by name (V1 models come upgraded), so that a binary -> binary conversion
+    keeps each layer's definition."""
     net = model.net_param
-    if net is not None:
-        for lp in net.layer:
-            params.setdefault(lp.name, lp)
-    return params
+    if net is None:
+        return [(None, b"")] * len(model.layers)
+    if [lp.name for lp in net.layer] == [name for name, _t, _b in model.layers]:
+        return [(lp, model.unread.get(i, b"")) for i, lp in enumerate(net.layer)]
+    params = {}
+    for lp in net.layer:
+        params.setdefault(lp.name, lp)
+    return [(params.get(name), b"") for name, _t, _b in model.layers]
 
 
 def write_caffemodel(model, path):
     """A binary NetParameter: every layer's definition (or just name and type when the source
-    had none, as HDF5 and npz do), then its blobs as packed float32 with an N-D shape."""
+    had none, as HDF5 and npz do), then its blobs as packed float32 with an N-D shape, then the
+    fields the source's layer had that caffepar kept unread (as Caffe's tools keep them)."""
     from caffepar.convert.upgrade import _layer_bytes
     params = _layer_params(model)
     head = caffe_pb2.NetParameter()
@@ -125,8 +132,7 @@ def write_caffemodel(model, path):
 
     def write(f):
         f.write(head.SerializeToString())
-        for name, type_, blobs in model.layers:
-            lp = params.get(name)
+        for (name, type_, blobs), (lp, unread) in zip(model.layers, params):
             if lp is None:
                 lp = caffe_pb2.LayerParameter(name=name)
                 if type_:
@@ -135,7 +141,7 @@ def write_caffemodel(model, path):
             for values, shape, _legacy in blobs:
                 pieces = _blob_chunks(np.asarray(values).reshape(shape))
                 payloads.append(b"".join(bytes(p) for p in pieces))
-            f.write(_layer_bytes(lp, payloads))
+            f.write(_layer_bytes(lp, payloads, unread))
 
     atomic_write(path, write)
 

@@ -478,7 +478,9 @@ def _split(g, ctx):
 
 
 def _silence(g, ctx):
-    return []  # it only consumes its bottoms (a deploy net silencing an unused top): no node
+    """Silence only takes blobs nobody reads (so Caffe does not print them): nothing to do at
+    inference."""
+    return []
 
 
 # ------------------------------------------------------------------------ shape layers

@@ -72,12 +72,14 @@ def _split_at_blobs(serialized):
     return len(serialized)
 
 
-def _layer_bytes(layer_param, blob_payloads):
-    """A serialized `layer { ... }` entry (field 100) with raw BlobProto payloads spliced in."""
+def _layer_bytes(layer_param, blob_payloads, unread=b""):
+    """A serialized `layer { ... }` entry (field 100) with raw BlobProto payloads spliced in,
+    and the fields read as unknown (`unread`, whole fields) after the rest, where Caffe's
+    protobuf writes unknown fields."""
     body = layer_param.SerializeToString()
     cut = _split_at_blobs(body)
     blobs = b"".join(_key(LAYER_BLOBS, 2) + _encode_varint(len(p)) + p for p in blob_payloads)
-    inner = body[:cut] + blobs + body[cut:]
+    inner = body[:cut] + blobs + body[cut:] + unread
     return _key(NET_LAYER, 2) + _encode_varint(len(inner)) + inner
 
 
@@ -87,13 +89,15 @@ def upgrade_caffemodel_bytes(buf, source=None):
         head, layers = split_layers(buf, source)
     except V0Model:
         return _upgrade_small_model(buf, source)
-    kinds = {number for number, _body, _blobs in layers}
+    kinds = {number for number, _body, _blobs, _x in layers}
     if len(kinds) > 1:
         raise PrototxtError("caffemodel mixes 'layer' (V2) and 'layers' (V1) entries; Caffe "
                             "refuses to upgrade it", path=source)
     v1 = kinds == {NET_LAYERS}
-    stripped_layers = [body for _n, body, _b in layers]
-    payloads = [[memoryview(buf)[s:e] for s, e in blobs] for _n, _b, blobs in layers]
+    stripped_layers = [body for _n, body, _b, _x in layers]
+    payloads = [[memoryview(buf)[s:e] for s, e in blobs] for _n, _b, blobs, _x in layers]
+    # Fields BVLC Caffe does not number stay as they are, unknown fields to its tool too.
+    unread = [b"".join(raw for _number, raw in extras) for _n, _b, _bl, extras in layers]
     net = caffe_pb2.NetParameter()
     try:
         net.ParseFromString(bytes(head))
@@ -113,7 +117,8 @@ def upgrade_caffemodel_bytes(buf, source=None):
     upgraded.ClearField("layer")
     out = [upgraded.SerializeToString()]
     for i, lp in enumerate(layers):
-        out.append(_layer_bytes(lp, payloads[i - offset] if i >= offset else []))
+        out.append(_layer_bytes(lp, payloads[i - offset] if i >= offset else [],
+                                unread[i - offset] if i >= offset else b""))
     return b"".join(out), notes
 
 

@@ -5,14 +5,15 @@ create and wire layers -> decide which layers need backward -> share parameters.
 parameters then live in one flat data buffer and one flat diff buffer (every parameter Blob is a
 view), so a data-parallel run can reduce every gradient with a single call.
 """
+import functools
 import os
 from collections import Counter, OrderedDict
 from itertools import zip_longest
 
 import numpy as np
 
-from caffepar.blob import Blob
-from caffepar.errors import CaffeparError, NetError, PrototxtError, Where
+from caffepar.blob import Blob, no_blobs
+from caffepar.errors import CaffeparError, NetError, PrototxtError
 from caffepar.graph.passes import filter_net, insert_splits
 from caffepar.nn import create_layer
 from caffepar.nn.base import check_layer_types
@@ -25,18 +26,30 @@ TEST = caffe_pb2.TEST
 ANONYMOUS_TOP = "(automatic)"
 
 
+class SharedList(list):
+    """A list of blob ids or flags that several layers share (Net.bottom_ids, top_ids,
+    bottom_need_backward): it compares as a list, and changing it in place is an error (it
+    would change every layer that shares it); a change is a new list."""
+
+    __slots__ = ()
+
+    def _shared(self, *args, **kwargs):
+        raise TypeError("this list is shared by several layers: replace it, do not change it")
+
+    append = extend = insert = remove = pop = clear = sort = reverse = _shared
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _shared
+
+
 def load_net_param(source):
     """A NetParameter and its SourceMap from a path, prototxt text or a NetParameter."""
     if isinstance(source, caffe_pb2.NetParameter):
         net = caffe_pb2.NetParameter()
         net.CopyFrom(source)
         smap = SourceMap(path=None)
-        for lp in list(net.layer) + list(net.layers):
-            smap.by_name.setdefault(lp.name, None)
     else:
         net, smap = read_net_text(source)
     try:
-        upgraded, _notes = upgrade_net(net, source=smap.path)
+        upgraded, _notes = upgrade_net(net, source=smap.path, copy=False)
     except PrototxtError as e:
         if e.line is None and net.layer and net.layers and smap.v1_layer_lines:
             e.line = smap.v1_layer_lines[0]
@@ -68,7 +81,7 @@ class Net:
         self.name = param.name
         if not (param.layer or param.layers):
             raise NetError("the net has no layers", path=smap.path)
-        param = insert_splits(filter_net(param, smap), smap)
+        param = insert_splits(filter_net(param, smap, inplace=True), smap, inplace=True)
         if not param.layer:
             stages = f", stages {', '.join(stages)}" if stages else ""
             raise NetError(f"no layer of the net is in phase {'TRAIN' if phase == TRAIN else 'TEST'}"
@@ -81,9 +94,10 @@ class Net:
             self.copy_from(weights)
 
     # ---------------------------------------------------------------- construction
-    #: Memory a layer of a built net takes beyond its blobs' data (measured: 3.4 KB on a net of
-    #: 100,000 ReLU layers, the text parsed, the net filtered, split and built), with a margin.
-    BYTES_PER_LAYER = 4096
+    #: Memory a layer of a built net takes beyond its blobs' data (measured: 1.33 KB a layer, at
+    #: the peak, on a net of 3 million in-place ReLU layers, the text parsed, the net filtered,
+    #: split and built: results/prototxt_parse.md), with a margin.
+    BYTES_PER_LAYER = 1536
     #: Nets with at least this many layers show their build's progress.
     PROGRESS_LAYERS = 50000
 
@@ -98,7 +112,7 @@ class Net:
                            path=smap.path)
 
     def _where(self, layer_param):
-        return Where(self.source_map.path, self.source_map.line_of(layer_param.name))
+        return self.source_map.where(layer_param.name)
 
     def _check_input_shapes(self, layer_param, bottoms, where):
         """A layer that failed on a bottom an Input layer left without a shape: say so."""
@@ -110,6 +124,10 @@ class Net:
                                layer_type=layer_param.type, **where)
 
     def _build(self, param):
+        """Create and wire the layers. A layer costs the net a few hundred bytes beyond its
+        LayerParameter: lists of blob ids and flags that many layers share are one
+        SharedList, its name is one string, where it is written is looked up only if an error
+        asks, and the by-name indexes are made when first read (_index)."""
         self.layers = []
         self._layer_names = []
         self.bottom_ids = []
@@ -117,58 +135,66 @@ class Net:
         self.blob_list = []
         self.blob_names = []
         blob_index = {}
-        available = []
+        available = {}          # blobs no layer has read yet, in order: the net's outputs
         blob_need_backward = []
         self.bottom_need_backward = []
         self.layer_need_backward = []
         self.input_ids = []
+        self._shared = {}
+        shared = self._shared_list
         total = len(param.layer)
         shown = 0
         if total >= self.PROGRESS_LAYERS:
             from caffepar.logs import progress
-        for index, layer_param in enumerate(param.layer):
+        layer_params = param.layer
+        for index in range(total):
+            layer_param = layer_params[index]    # no iterator: it would hold the wrapper
             if total >= self.PROGRESS_LAYERS and 10 * index // total > shown:
                 shown = 10 * index // total
                 progress("Building %s: %d%% (%s of %s layers)", self.source_map.path,
                          10 * shown, f"{index:,}", f"{total:,}")
+            name, layer_type = layer_param.name, layer_param.type
             if not layer_param.HasField("phase"):
                 layer_param.phase = self.phase
-            where = self._where(layer_param)
-            if layer_param.HasField("parallel_mode") and layer_param.type != "InnerProduct" and \
+            where = self.source_map.where(name)
+            if layer_param.HasField("parallel_mode") and layer_type != "InnerProduct" and \
                     layer_param.parallel_mode == caffe_pb2.LayerParameter.MODEL:
                 raise NetError("only InnerProduct layers can run model parallel "
-                               "(parallel_mode: MODEL)", layer=layer_param.name,
-                               layer_type=layer_param.type, **where)
-            if layer_param.propagate_down and len(layer_param.propagate_down) != len(layer_param.bottom):
+                               "(parallel_mode: MODEL)", layer=name, layer_type=layer_type,
+                               **where)
+            bottom_names, top_names = list(layer_param.bottom), list(layer_param.top)
+            propagate_down = layer_param.propagate_down
+            if propagate_down and len(propagate_down) != len(bottom_names):
                 raise NetError("propagate_down must be given either 0 or bottom_size times",
-                               layer=layer_param.name, layer_type=layer_param.type, **where)
+                               layer=name, layer_type=layer_type, **where)
             layer = self.layer_factory and self.layer_factory(layer_param, self.phase,
                                                               self.dtype, where)
             layer = layer or create_layer(layer_param, self.phase, self.dtype, where)
+            layer.name = name
             layer.net_dir = self.source_dir
             layer.shard = self.shard
             self.layers.append(layer)
-            self._layer_names.append(layer_param.name)
+            self._layer_names.append(name)
             bottoms, bneed = [], []
             need_backward = False
-            for j, name in enumerate(layer_param.bottom):
-                if name not in available:
-                    raise NetError(f'unknown bottom blob "{name}" (bottom index {j})',
-                                   layer=layer_param.name, layer_type=layer_param.type, **where)
-                bid = blob_index[name]
-                available.remove(name)
+            for j, blob in enumerate(bottom_names):
+                if blob not in available:
+                    raise NetError(f'unknown bottom blob "{blob}" (bottom index {j})',
+                                   layer=name, layer_type=layer_type, **where)
+                bid = blob_index[blob]
+                del available[blob]
                 bottoms.append(bid)
                 nb = blob_need_backward[bid]
-                if layer_param.propagate_down:
-                    nb = bool(layer_param.propagate_down[j])
+                if propagate_down:
+                    nb = bool(propagate_down[j])
                 bneed.append(nb)
                 need_backward |= blob_need_backward[bid]
             tops = []
-            num_top = len(layer_param.top)
+            num_top = len(top_names)
             if layer.auto_top_blobs:
                 num_top = max(num_top, layer.min_tops or 0, layer.exact_tops or 0)
             for j in range(num_top):
-                if j >= len(layer_param.top):
+                if j >= len(top_names):
                     # Caffe's AutoTopBlobs: an anonymous top the prototxt left out. No other
                     # layer can take it as a bottom and it is no net output, but its loss counts.
                     tops.append(len(self.blob_list))
@@ -176,59 +202,76 @@ class Net:
                     self.blob_names.append(ANONYMOUS_TOP)
                     blob_need_backward.append(False)
                     continue
-                name = layer_param.top[j]
-                if j < len(layer_param.bottom) and name == layer_param.bottom[j]:
-                    tops.append(blob_index[name])
-                elif name in blob_index:
-                    raise NetError(f'top blob "{name}" produced by multiple sources',
-                                   layer=layer_param.name, layer_type=layer_param.type, **where)
+                blob = top_names[j]
+                if j < len(bottom_names) and blob == bottom_names[j]:
+                    tops.append(blob_index[blob])
+                elif blob in blob_index:
+                    raise NetError(f'top blob "{blob}" produced by multiple sources',
+                                   layer=name, layer_type=layer_type, **where)
                 else:
                     bid = len(self.blob_list)
                     self.blob_list.append(Blob((), self.dtype))
-                    self.blob_names.append(name)
+                    self.blob_names.append(blob)
                     blob_need_backward.append(False)
-                    blob_index[name] = bid
+                    blob_index[blob] = bid
                     tops.append(bid)
-                    if layer_param.type == "Input":
+                    if layer_type == "Input":
                         self.input_ids.append(bid)
-                if name in available:
-                    available.remove(name)
-                available.append(name)
-            self.bottom_ids.append(bottoms)
-            self.top_ids.append(tops)
-            self.bottom_need_backward.append(bneed)
+                available.pop(blob, None)
+                available[blob] = None
+            self.bottom_ids.append(shared(bottoms))
+            self.top_ids.append(shared(tops))
+            self.bottom_need_backward.append(shared(bneed))
             bottom_blobs = [self.blob_list[i] for i in bottoms]
             top_blobs = [self.blob_list[i] for i in tops]
             try:
                 layer.setup(bottom_blobs, top_blobs)
             except MemoryError as e:
-                names = "/".join(f'"{self.blob_names[i]}"' for i in tops)
-                raise layer.error(f"out of memory for top {names}: {e}" if str(e) else
+                blobs = "/".join(f'"{self.blob_names[i]}"' for i in tops)
+                raise layer.error(f"out of memory for top {blobs}: {e}" if str(e) else
                                   "out of memory") from None
             except (CaffeparError, ValueError, IndexError) as e:
                 self._check_input_shapes(layer_param, bottoms, where)
                 if isinstance(e, CaffeparError):
                     raise
                 raise layer.error(str(e)) from None
-            specs = layer_param.param
-            if len(specs) > len(layer.blobs):
-                raise layer.error(f"too many param specs ({len(specs)}) for {len(layer.blobs)} "
-                                  "parameter blob(s)")
-            layer.param_propagate_down = []
-            for k in range(len(layer.blobs)):
-                lr = specs[k].lr_mult if k < len(specs) else 1.0
-                layer.param_propagate_down.append(lr != 0)
-                need_backward |= lr != 0
+            layer.loss_weights = self._shared.setdefault(layer.loss_weights, layer.loss_weights)
+            if not layer.blobs and layer_type != "Python":
+                layer.blobs = no_blobs(self.dtype)
+            if layer.blobs or layer_param.param:
+                specs = layer_param.param
+                if len(specs) > len(layer.blobs):
+                    raise layer.error(f"too many param specs ({len(specs)}) for "
+                                      f"{len(layer.blobs)} parameter blob(s)")
+                layer.param_propagate_down = []
+                for k in range(len(layer.blobs)):
+                    lr = specs[k].lr_mult if k < len(specs) else 1.0
+                    layer.param_propagate_down.append(lr != 0)
+                    need_backward |= lr != 0
+            else:
+                layer.param_propagate_down = ()
             self.layer_need_backward.append(need_backward)
             if need_backward:
                 for t in tops:
                     blob_need_backward[t] = True
+            layer.in_net(layer_params, index)
+            layer_param = propagate_down = specs = None
+        del self._shared
         self._decide_backward(param, blob_need_backward)
         self.output_ids = [blob_index[n] for n in sorted(available)]
         self._share_params()
         self._index()
         self._fold_relus()
         self._fold_steps()
+
+    def _shared_list(self, values):
+        """`values` as a SharedList, one object for every equal one (most layers' blob ids and
+        flags repeat: a list of their own would cost a huge net 50-100 bytes a layer)."""
+        key = tuple(values)
+        found = self._shared.get(key)
+        if found is None:
+            found = self._shared[key] = SharedList(key)
+        return found
 
     def _fold_relus(self):
         """Which in-place ReLUs run inside a neighbour's passes (Layer.folds_relu): in
@@ -287,6 +330,8 @@ class Net:
 
     def _decide_backward(self, param, blob_need_backward):
         """Caffe's rule: only layers on a path to a loss run backward; force_backward overrides."""
+        self._shared = {}
+        shared = self._shared_list
         under_loss, skip = set(), set()
         for i in range(len(self.layers) - 1, -1, -1):
             layer = self.layers[i]
@@ -298,27 +343,30 @@ class Net:
                     contributes = True
                 if name not in skip:
                     skip_down = False
+            need = list(self.bottom_need_backward[i])
             if self.layer_need_backward[i] and skip_down:
                 self.layer_need_backward[i] = False
-                self.bottom_need_backward[i] = [False] * len(self.bottom_ids[i])
+                need = [False] * len(self.bottom_ids[i])
             if not contributes:
                 self.layer_need_backward[i] = False
             for j, b in enumerate(self.bottom_ids[i]):
                 if contributes:
                     under_loss.add(self.blob_names[b])
                 else:
-                    self.bottom_need_backward[i][j] = False
-                if not self.bottom_need_backward[i][j]:
+                    need[j] = False
+                if not need[j]:
                     skip.add(self.blob_names[b])
+            self.bottom_need_backward[i] = shared(need)
         if param.force_backward:
             for i, layer in enumerate(self.layers):
                 self.layer_need_backward[i] = True
-                self.bottom_need_backward[i] = [
+                self.bottom_need_backward[i] = shared(
                     need or layer.allow_force_backward(j)
-                    for j, need in enumerate(self.bottom_need_backward[i])]
-                layer.param_propagate_down = [True] * len(layer.blobs)
+                    for j, need in enumerate(self.bottom_need_backward[i]))
+                layer.param_propagate_down = [True] * len(layer.blobs) if layer.blobs else ()
         for i, layer in enumerate(self.layers):
             layer.bottom_need_diff = self.bottom_need_backward[i]
+        del self._shared
 
     def _share_params(self):
         """Resolve ParamSpec names, then move every learnable blob into the flat buffers."""
@@ -330,7 +378,7 @@ class Net:
         owner_by_name = {}
         sharers = []
         for i, layer in enumerate(self.layers):
-            specs = layer.param.param
+            specs = layer.param.param if layer.blobs else ()
             for k, blob in enumerate(layer.blobs):
                 spec = specs[k] if k < len(specs) else caffe_pb2.ParamSpec()
                 self.param_layer_index.append((i, k))
@@ -405,20 +453,44 @@ class Net:
                                        layer=layer.name, **where)
                     store[learn] = [value, True]
 
+    _LAZY = ("blobs", "layer_dict", "top_names", "bottom_names", "blob_loss_weights")
+
     def _index(self):
-        self.blobs = OrderedDict((n, self.blob_list[i]) for i, n in enumerate(self.blob_names))
-        self.layer_dict = OrderedDict(zip(self._layer_names, self.layers))
+        """pycaffe's indexes: `params`, `inputs`, `outputs` now, the by-name ones of every
+        layer and blob (`blobs`, `layer_dict`, `top_names`, `bottom_names`,
+        `blob_loss_weights`) when first read: each costs a net of millions of layers a
+        hundred bytes or more a layer."""
+        for name in self._LAZY:
+            self.__dict__.pop(name, None)
         self.params = OrderedDict((l.name, l.blobs) for l in self.layers if l.blobs)
         self.inputs = [self.blob_names[i] for i in self.input_ids]
         self.outputs = [self.blob_names[i] for i in self.output_ids]
-        self.top_names = OrderedDict((self._layer_names[i], [self.blob_names[t] for t in ids])
-                                     for i, ids in enumerate(self.top_ids))
-        self.bottom_names = OrderedDict((self._layer_names[i], [self.blob_names[b] for b in ids])
-                                        for i, ids in enumerate(self.bottom_ids))
-        self.blob_loss_weights = OrderedDict((n, 0.0) for n in self.blob_names)
+
+    @functools.cached_property
+    def blobs(self):
+        return OrderedDict((n, self.blob_list[i]) for i, n in enumerate(self.blob_names))
+
+    @functools.cached_property
+    def layer_dict(self):
+        return OrderedDict(zip(self._layer_names, self.layers))
+
+    @functools.cached_property
+    def top_names(self):
+        return OrderedDict((self._layer_names[i], [self.blob_names[t] for t in ids])
+                           for i, ids in enumerate(self.top_ids))
+
+    @functools.cached_property
+    def bottom_names(self):
+        return OrderedDict((self._layer_names[i], [self.blob_names[b] for b in ids])
+                           for i, ids in enumerate(self.bottom_ids))
+
+    @functools.cached_property
+    def blob_loss_weights(self):
+        weights = OrderedDict((n, 0.0) for n in self.blob_names)
         for i, layer in enumerate(self.layers):
             for j, t in enumerate(self.top_ids[i]):
-                self.blob_loss_weights[self.blob_names[t]] = layer.loss_weights[j]
+                weights[self.blob_names[t]] = layer.loss_weights[j]
+        return weights
 
     # ---------------------------------------------------------------- running
     def _blobs_of(self, ids):

@@ -16,8 +16,12 @@ import numpy as np
 
 from caffepar.errors import MissingFileError, WeightsError
 from caffepar.proto import caffe_pb2
-from caffepar.proto.forks import COLLIDING_FIELDS, read_colliding_fields
+from caffepar.logs import note
+from caffepar.proto.forks import (BVLC_LAYER_NUMBERS, COLLIDING_FIELDS, fork_field_note,
+                                  read_colliding_fields, read_fork_fields)
 from caffepar.proto.upgrade import upgrade_net
+from caffepar.proto.wire import (Truncated, encode_varint, fields, key, length_delimited,
+                                 packed_varints, varint)
 
 # Field numbers of Caffe's schema that the walker needs.
 NET_LAYER, NET_LAYERS = 100, 2
@@ -27,64 +31,8 @@ BLOB_DATA, BLOB_DIFF, BLOB_SHAPE, BLOB_DOUBLE_DATA, BLOB_DOUBLE_DIFF = 5, 6, 7, 
 SHAPE_DIM = 1
 
 
-class _Truncated(Exception):
-    pass
-
-
-def _varint(buf, pos, end):
-    result = shift = 0
-    while True:
-        if pos >= end:
-            raise _Truncated()
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result, pos
-        shift += 7
-        if shift > 70:
-            raise _Truncated()
-
-
-def _fields(buf, start, end):
-    """Yield (field number, wire type, value, payload start, stop, field start) for each field
-    in buf[start:end]; value is the integer for varints, else None. buf[field start:stop] is
-    the whole field, key included."""
-    pos = start
-    while pos < end:
-        field_start = pos
-        key, pos = _varint(buf, pos, end)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value_start = pos
-            value, pos = _varint(buf, pos, end)
-            yield number, wire, value, value_start, pos, field_start
-        elif wire == 2:
-            length, pos = _varint(buf, pos, end)
-            if pos + length > end:
-                raise _Truncated()
-            yield number, wire, None, pos, pos + length, field_start
-            pos += length
-        elif wire == 5:
-            if pos + 4 > end:
-                raise _Truncated()
-            yield number, wire, None, pos, pos + 4, field_start
-            pos += 4
-        elif wire == 1:
-            if pos + 8 > end:
-                raise _Truncated()
-            yield number, wire, None, pos, pos + 8, field_start
-            pos += 8
-        else:
-            raise _Truncated()
-
-
-def _packed_varints(buf, start, end):
-    out, pos = [], start
-    while pos < end:
-        v, pos = _varint(buf, pos, end)
-        out.append(v)
-    return out
+_Truncated = Truncated
+_varint, _fields, _packed_varints = varint, fields, packed_varints
 
 
 def decode_blob(buf, start, end, want_diff=False):
@@ -138,12 +86,15 @@ def decode_blob(buf, start, end, want_diff=False):
 
 
 class CaffeModel:
-    """A caffemodel's layers: `layers[i]` is (name, type, [(array, shape, legacy_shape), ...])."""
+    """A caffemodel's layers: `layers[i]` is (name, type, [(array, shape, legacy_shape), ...]);
+    `net_param` its blob-free NetParameter (binary files), `unread` {index in net_param.layer:
+    bytes of the fields of that layer kept unread, which a rewrite of the file keeps}."""
 
-    def __init__(self, path, layers, net_param=None):
+    def __init__(self, path, layers, net_param=None, unread=None):
         self.path = path
         self.layers = layers
         self.net_param = net_param
+        self.unread = unread or {}
 
     def by_name(self):
         return {name: blobs for name, _type, blobs in self.layers}
@@ -155,8 +106,9 @@ class V0Model(Exception):
 
 def split_layers(buf, path=None):
     """Walk a binary NetParameter once: (bytes of every field but the layers,
-    [(layer field number, the layer's bytes without its blobs, [(start, stop) of each blob's
-    BlobProto in buf])]). Raises V0Model for a V0 net."""
+    [(layer field number, the layer's bytes without its blobs and without the fields BVLC
+    Caffe does not number (a V2 layer's), [(start, stop) of each blob's BlobProto in buf],
+    [(number, bytes) of each such field])]). Raises V0Model for a V0 net."""
     head = bytearray()
     layers = []
     try:
@@ -165,19 +117,63 @@ def split_layers(buf, path=None):
                 head += buf[fstart:e]
                 continue
             blob_field = LAYER_BLOBS if number == NET_LAYER else V1_LAYER_BLOBS
-            body, blobs = bytearray(), []
+            body, blobs, extras = bytearray(), [], []
             for n2, w2, _v2, s2, e2, f2 in _fields(buf, s, e):
                 if number == NET_LAYERS and n2 == V1_LAYER_V0:
                     raise V0Model()
                 if n2 == blob_field and w2 == 2:
                     blobs.append((s2, e2))
+                elif number == NET_LAYER and n2 not in BVLC_LAYER_NUMBERS:
+                    extras.append((n2, bytes(buf[f2:e2])))
                 else:
                     body += buf[f2:e2]
-            layers.append((number, bytes(body), blobs))
+            layers.append((number, bytes(body), blobs, extras))
     except _Truncated:
         raise WeightsError("truncated or corrupt caffemodel (the protobuf stream ends inside a "
                            "field)", path=path) from None
     return bytes(head), layers
+
+
+def read_layer_params(head, layers, path=None):
+    """The NetParameter of a split model (split_layers), parsed as BVLC Caffe parses it, with
+    the forks' fields read by each layer's type (proto/forks.py); returns it with {index in
+    its `layer`: bytes of the fields left unread}, which a writer puts back as Caffe's tools
+    do. At most one note per file says what was left unread."""
+    stripped = head + b"".join(_length_delimited(n, body) for n, body, _b, _x in layers)
+    net = caffe_pb2.NetParameter()
+    try:
+        net.ParseFromString(stripped)
+    except Exception as e:  # protobuf's DecodeError and friends
+        raise WeightsError(f"not a Caffe NetParameter: {e}", path=path) from None
+    v2 = [(body, extras) for n, body, _b, extras in layers if n == NET_LAYER]
+    unread, first, count = {}, None, 0
+    for i, (layer, (body, extras)) in enumerate(zip(net.layer, v2)):
+        _read_colliding(layer, body + b"".join(raw for _n, raw in extras))
+        if not extras:
+            continue
+        kept, odd = read_fork_fields(layer, extras)
+        if kept:
+            unread[i] = kept
+        if odd:
+            count += 1
+            first = first or (layer, odd)
+    if first:
+        note(f"{os.path.basename(path) if path else 'caffemodel'}: "
+             f"{fork_field_note(*first, count)}")
+    return net, unread
+
+
+def _read_colliding(layer, body):
+    """Fork fields under a number BVLC Caffe gave to another field (or, SegNet's bn_param, to
+    none, with another numbering than ours), read by the layer's type from the layer's bytes."""
+    if layer.type in _COLLIDING_TYPES:
+        raw = {n: body[s:e] for n, w, _v, s, e, _f in _fields(body, 0, len(body))
+               if w == 2 and n in _COLLIDING_NUMBERS}
+        read_colliding_fields(layer, raw)
+
+
+_COLLIDING_TYPES = {entry[0] for entry in COLLIDING_FIELDS}
+_COLLIDING_NUMBERS = {entry[1] for entry in COLLIDING_FIELDS}
 
 
 def _read_binary(path):
@@ -188,19 +184,14 @@ def _read_binary(path):
     except V0Model:
         return _read_binary_slow(path, buf)
     try:
-        layer_blobs = [[decode_blob(buf, s, e) for s, e in blobs] for _n, _b, blobs in layers]
+        layer_blobs = [[decode_blob(buf, s, e) for s, e in blobs]
+                       for _n, _b, blobs, _x in layers]
     except _Truncated:
         raise WeightsError("truncated or corrupt caffemodel (a blob ends early)",
                            path=path) from None
-    stripped = head + b"".join(_length_delimited(n, body) for n, body, _ in layers)
-    net = caffe_pb2.NetParameter()
-    try:
-        net.ParseFromString(stripped)
-    except Exception as e:
-        raise WeightsError(f"not a Caffe NetParameter: {e}", path=path) from None
+    net, unread = read_layer_params(head, layers, path)
     if not net.layer and not net.layers and buf:
         raise WeightsError("holds no layers; not a caffemodel", path=path)
-    _read_fork_fields(net, [body for n, body, _ in layers if n == NET_LAYER])
     has_v1 = bool(net.layers)
     names = [lp.name for lp in (net.layers if has_v1 else net.layer)]
     types = [lp.type for lp in (net.layers if has_v1 else net.layer)]
@@ -210,24 +201,17 @@ def _read_binary(path):
             names = [lp.name for lp in upgraded.layer]
             types = [lp.type for lp in upgraded.layer]
         net = upgraded
-    return CaffeModel(path, [(n, t, b) for n, t, b in zip(names, types, layer_blobs)], net)
-
-
-def _read_fork_fields(net, bodies):
-    """Fork fields under a number BVLC Caffe gave to another field, read by the layer's type."""
-    wanted = {entry[1] for entry in COLLIDING_FIELDS}
-    types = {entry[0] for entry in COLLIDING_FIELDS}
-    for layer, body in zip(net.layer, bodies):
-        if layer.type in types:
-            raw = {n: body[s:e] for n, w, _v, s, e, _f in _fields(body, 0, len(body))
-                   if w == 2 and n in wanted}
-            read_colliding_fields(layer, raw)
+    return CaffeModel(path, [(n, t, b) for n, t, b in zip(names, types, layer_blobs)], net,
+                      unread)
 
 
 def _read_binary_slow(path, buf):
     """V0 models nest layers one level deeper; they are small, so protobuf parses them whole."""
     net = caffe_pb2.NetParameter()
-    net.ParseFromString(buf)
+    try:
+        net.ParseFromString(buf)
+    except Exception as e:  # protobuf's DecodeError and friends
+        raise WeightsError(f"not a Caffe NetParameter: {e}", path=path) from None
     net, _ = upgrade_net(net, source=path)
     layers = []
     for lp in net.layer:
@@ -372,24 +356,7 @@ def copy_weights_files(net, paths, allow_missing=True):
 
 
 # ------------------------------------------------------------------------------- writing
-def _encode_varint(value):
-    out = bytearray()
-    while True:
-        b = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _key(number, wire):
-    return _encode_varint((number << 3) | wire)
-
-
-def _length_delimited(number, payload):
-    return _key(number, 2) + _encode_varint(len(payload)) + payload
+_encode_varint, _key, _length_delimited = encode_varint, key, length_delimited
 
 
 def _float_payload(array):

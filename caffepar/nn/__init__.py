@@ -4,12 +4,13 @@ from caffepar.nn import (common, data, inner_product, loss, neuron,  # noqa: F40
                          normalization, pooling, python_layer, recurrent, ssd, vision,
                          window_data)
 from caffepar.nn import detection, mobile, segmentation, senet  # noqa: F401  (Caffe forks')
-from caffepar.nn.base import LAYERS, Layer, layer_class, register
+from caffepar.nn.base import LAYERS, Layer, _known, layer_class, register
 
 
 def create_layer(param, phase, dtype, where=None):
     where = where or {}
-    cls = layer_class(param.type, param.name, where.get("line"), where.get("path"))
+    cls = _known(param.type) or layer_class(param.type, param.name, where.get("line"),
+                                            where.get("path"))
     return cls(param, phase, dtype, where)
 
 

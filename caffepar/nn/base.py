@@ -8,6 +8,7 @@ from caffepar.blob import Blob, BlobVec
 from caffepar.errors import LayerError, NetError
 from caffepar.fillers import fill, filling
 from caffepar.proto.forks import FORK_LAYER_TYPES, fork_of_type
+from caffepar.proto.upgrade import V1_TYPE_NAMES
 
 LAYERS = {}
 
@@ -43,7 +44,6 @@ def reshaped_by_shape(reshape):
 
 
 def _known(type_name):
-    from caffepar.proto.upgrade import V1_TYPE_NAMES
     return LAYERS.get(type_name) or LAYERS.get(V1_TYPE_NAMES.get(type_name, ""))
 
 
@@ -120,34 +120,67 @@ class Layer:
     step_top_diff = None
 
     def __init__(self, param, phase=1, dtype=np.float32, where=None):
-        self.param = param
+        self._param = param
         self.name = param.name
         self.phase = phase
         self.dtype = np.dtype(dtype)
-        self.where = where or {}
+        self.where = where if where is not None else {}
         self.blobs = BlobVec(dtype=self.dtype)
         self.param_propagate_down = []
-        self.loss_weights = []
+        self.loss_weights = ()
         # Which bottoms the net will want a diff for (set by the net; None: unknown). Only a
         # hint for work a layer can choose how to do (a convolution's engine); backward's
         # propagate_down decides.
         self.bottom_need_diff = None
+
+    @property
+    def param(self):
+        """The LayerParameter; in a built net read from the net's list each time (in_net)."""
+        held = self._param
+        return held if held is not None else self._in_net[self._param_index]
+
+    @param.setter
+    def param(self, value):
+        self._param = value
+
+    def in_net(self, layer_params, index):
+        """Read the LayerParameter from the net's list from now on (layer_params[index]):
+        protobuf's wrapper of a message costs about 100 bytes, and holds a table of every unset
+        field read through it (340 more), which a net of millions of layers cannot keep a copy
+        of for each layer."""
+        self._param, self._in_net, self._param_index = None, layer_params, index
+
+    @property
+    def where(self):
+        """Where the layer is written (`path`, `line`, the keyword arguments of errors); in a
+        net built from a file, looked up when an error asks."""
+        found = self._where
+        return found if found is not None else self._source_map.where(self.name)
+
+    @where.setter
+    def where(self, value):
+        source_map = getattr(value, "source_map", None)
+        if source_map is not None and getattr(value, "name", None) == self.name:
+            self._where, self._source_map = None, source_map
+        else:
+            self._where = value
 
     def error(self, message, hint=None):
         return LayerError(message, layer=self.name, layer_type=self.param.type,
                           path=self.where.get("path"), line=self.where.get("line"), hint=hint)
 
     def check_blob_counts(self, bottom, top):
-        def check(what, n, exact, low, high):
-            if exact is not None and n != exact:
-                raise self.error(f"takes exactly {exact} {what} blob(s), got {n}")
-            if low is not None and n < low:
-                raise self.error(f"takes at least {low} {what} blob(s), got {n}")
-            if high is not None and n > high:
-                raise self.error(f"takes at most {high} {what} blob(s), got {n}")
+        self._check_count("bottom", len(bottom), self.exact_bottoms, self.min_bottoms,
+                          self.max_bottoms)
+        self._check_count("top", len(top), self.exact_tops, self.min_tops, self.max_tops)
 
-        check("bottom", len(bottom), self.exact_bottoms, self.min_bottoms, self.max_bottoms)
-        check("top", len(top), self.exact_tops, self.min_tops, self.max_tops)
+    def _check_count(self, what, n, exact, low, high):
+        if exact is not None and n != exact:
+            raise self.error(f"takes exactly {exact} {what} blob(s), got {n}")
+        if low is not None and n < low:
+            raise self.error(f"takes at least {low} {what} blob(s), got {n}")
+        if high is not None and n > high:
+            raise self.error(f"takes at most {high} {what} blob(s), got {n}")
 
     def setup(self, bottom, top):
         """Caffe's Layer::SetUp: check counts, set up, reshape, record loss weights."""
@@ -158,12 +191,15 @@ class Layer:
 
     def set_loss_weights(self, top):
         weights = list(self.param.loss_weight)
+        if not weights and not self.is_loss:
+            self.loss_weights = (0.0,) * len(top)
+            return
         if self.is_loss and not weights:
             weights = [1.0]
         if len(weights) > len(top):
             raise self.error(f"has {len(weights)} loss_weight values for {len(top)} top blob(s)")
         weights += [0.0] * (len(top) - len(weights))
-        self.loss_weights = weights
+        self.loss_weights = tuple(weights)
         for blob, w in zip(top, weights):
             if w:
                 blob.diff[...] = w

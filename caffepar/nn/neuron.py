@@ -63,6 +63,9 @@ def _compiled(*arrays):
 def _side_by_side(kernel, arrays, extra=()):
     """kernel(*pointers, count, *extra) over equal flat runs of the arrays, side by side."""
     n = arrays[0].size
+    if n < 2 * CHUNK:           # one run, called here: a net of tiny layers pays no hand-out
+        kernel(*[native.ptr(a) for a in arrays], n, *extra)
+        return
     runs = max(1, min(4 * blas_threads(), n // CHUNK))
     bases = [(native.ptr(a), a.itemsize) for a in arrays]
     bounds = [n * i // runs for i in range(runs + 1)]
@@ -127,7 +130,8 @@ class ReLULayer(NeuronLayer):
     """max(x, 0) + negative_slope * min(x, 0)."""
 
     def neuron_setup(self, bottom, top):
-        self.slope = float(self.param.relu_param.negative_slope)
+        slope = self.param.relu_param.negative_slope
+        self.slope = float(slope) if slope else 0.0     # one float object for every plain ReLU
 
     def forward(self, bottom, top):
         relu_forward(bottom[0].data, top[0].data, self.slope, self.scratch)

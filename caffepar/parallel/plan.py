@@ -115,7 +115,7 @@ class Planner:
 def make_plan(net, planner=None, source_map=None):
     """A LayerPlan for every layer of `net` (a built, unsharded Net) that has parameters."""
     planner = planner or Planner()
-    unknown = planner.forced - set(net.layer_dict)
+    unknown = planner.forced - set(net._layer_names)
     if unknown:
         raise NetError(f"--model-parallel names layers not in the net: {', '.join(sorted(unknown))}")
     plans = []

@@ -6,26 +6,84 @@ kernel size) name the file and line of the offending layer.
 """
 import os
 import re
-from dataclasses import dataclass, field
+from array import array
+from collections.abc import Mapping
 
 from google.protobuf import message as pb_message
 from google.protobuf import text_format
 
 from caffepar.errors import MissingFileError, PrototxtError
 from caffepar.proto import caffe_pb2, forks
+from caffepar.proto.text_wire import Unsupported, to_wire
 
 
-@dataclass
 class SourceMap:
-    """Where a parsed net came from: its path and the line of each top-level layer."""
+    """Where a parsed net came from: its path and the line of each top-level layer (`layer`
+    and V1 `layers`, as compact arrays). The map from a layer's name to its line is made the
+    first time a line is asked for (an error): a net of millions of layers keeps only its
+    names, joined in one string."""
 
-    path: str = None
-    layer_lines: list = field(default_factory=list)
-    v1_layer_lines: list = field(default_factory=list)
-    by_name: dict = field(default_factory=dict)
+    def __init__(self, path=None, layer_lines=(), v1_layer_lines=(), names=(), v1_names=()):
+        self.path = path
+        self.layer_lines = array("l", layer_lines)
+        self.v1_layer_lines = array("l", v1_layer_lines)
+        self._names = [_joined(names), _joined(v1_names)]
+        self._by_name = None
+
+    @property
+    def by_name(self):
+        if self._by_name is None:
+            self._by_name = {}
+            for names, lines in zip(self._names, (self.layer_lines, self.v1_layer_lines)):
+                for name, line in zip(_split(names), lines):
+                    self._by_name.setdefault(name, line)
+        return self._by_name
 
     def line_of(self, layer_name):
         return self.by_name.get(layer_name)
+
+    def where(self, layer_name):
+        """Where the layer is written, looked up only if an error asks (keyword arguments of
+        the errors: `path`, `line`)."""
+        return LayerPlace(self, layer_name)
+
+
+def _joined(names):
+    """Names as one string (about a byte a name beyond its text), or the list when a name
+    holds the separator."""
+    names = list(names)
+    joined = "\n".join(names)
+    return (joined, len(names)) if joined.count("\n") == max(len(names) - 1, 0) else names
+
+
+def _split(names):
+    if isinstance(names, tuple):
+        joined, count = names
+        return joined.split("\n") if count else []
+    return names
+
+
+class LayerPlace(Mapping):
+    """Where a layer of a parsed file is written (`path`, `line`), as errors take it: the
+    line is looked up when asked for."""
+
+    __slots__ = ("source_map", "name")
+
+    def __init__(self, source_map, name):
+        self.source_map, self.name = source_map, name
+
+    def __getitem__(self, key):
+        if key == "path":
+            return self.source_map.path
+        if key == "line":
+            return self.source_map.line_of(self.name)
+        raise KeyError(key)
+
+    def __iter__(self):
+        return iter(("path", "line"))
+
+    def __len__(self):
+        return 2
 
 
 # Braces, strings (to the line's end when unterminated) and comments: all a scan needs to know
@@ -71,8 +129,8 @@ def _top_level_field_lines(text, names):
 
 
 #: The largest prototxt read, in MB ($CAFFEPAR_MAX_PROTOTXT_MB overrides). A parsed net takes
-#: about six times its text's size in memory (a 200 MB text parses in about a minute and
-#: 1.2 GB); beyond this a file is far more likely a mistake than a net.
+#: about 0.9 KB a layer, 4 to 14 times its text (a 200 MB text of 3 million one-line layers:
+#: 2.7 GB); beyond this a file is far more likely a mistake than a net.
 MAX_PROTOTXT_MB = 512
 
 
@@ -93,7 +151,7 @@ def read_text(path):
     size, limit = os.path.getsize(path), max_prototxt_bytes()
     if size > limit:
         raise PrototxtError(f"{size / 2 ** 20:.0f} MB is more than the {limit / 2 ** 20:.0f} MB "
-                            "a prototxt may have (a parsed net takes about 6x its text in "
+                            "a prototxt may have (a parsed net takes 4 to 14 times its text in "
                             "memory); set CAFFEPAR_MAX_PROTOTXT_MB to read it anyway", path=path)
     with open(path, "rb") as f:
         raw = f.read()
@@ -110,28 +168,86 @@ CHUNK_CHARS = 4 << 20
 def parse_text(text, message, path="<string>", chunk_chars=CHUNK_CHARS):
     """Merge prototxt `text` into `message`; syntax errors become PrototxtError with file:line.
 
-    Protobuf's text parser holds a tokenized copy of its whole input, many times its size. A
-    long text (a net of many thousand layers) is merged instead a few MB at a time, cut where
-    a top-level message field starts a line, so memory stays that of the text and the message,
-    time stays linear, and the log shows progress."""
-    if len(text) <= chunk_chars:
-        return _merge(text, message, path, 1)
-    parts = _parts(text, chunk_chars)
-    from caffepar.logs import progress
-    progress("Parsing %s (%.0f MB) in %d parts", path, len(text) / 1e6, len(parts))
-    shown = 0
-    for start, end, line in parts:
-        _merge(text[start:end], message, path, line)
-        if 10 * end // len(text) > shown:
-            shown = 10 * end // len(text)
-            progress("Parsing %s: %d%%", path, 10 * shown)
+    Text goes straight to protobuf's wire format (text_wire) and protobuf's C parser reads
+    that: protobuf's own text parser, pure Python, takes minutes for a net of millions of
+    layers. What text_wire does not take, and every error, goes to protobuf's text parser,
+    which reads it or says where it is wrong. A long text is read a few MB at a time, cut
+    where a top-level message field starts a line, so memory stays that of the text and the
+    message, and the log shows progress."""
+    _parse(text, message, path, chunk_chars)
     return message
 
 
-def _parts(text, chunk_chars):
+def _parse(text, message, path, chunk_chars=CHUNK_CHARS, record=()):
+    """parse_text, returning ({field in record: array of the lines its top-level messages
+    start at}, {field: their names})."""
+    lines = {name: array("l") for name in record}
+    names = {name: [] for name in record}
+    if len(text) <= chunk_chars:
+        parts = [(0, len(text), 1)]
+    else:
+        parts = _parts(text, chunk_chars, message)
+        from caffepar.logs import progress
+        progress("Parsing %s (%.0f MB) in %d parts", path, len(text) / 1e6, len(parts))
+    shown = 0
+    for start, end, line in parts:
+        part_lines, part_names = _merge_part(text[start:end] if len(parts) > 1 else text,
+                                             message, path, line, record)
+        for name in record:
+            lines[name].extend(n + line - 1 for n in part_lines[name])
+            names[name] += part_names[name]
+        if len(parts) > 1 and 10 * end // len(text) > shown:
+            shown = 10 * end // len(text)
+            progress("Parsing %s: %d%%", path, 10 * shown)
+    return lines, names
+
+
+def _merge_part(text, message, path, first_line, record):
+    """Merge one part (starting at `first_line` of the file) into `message`: text_wire's way,
+    else protobuf's. Returns the lines and names of its `record` fields, as _parse."""
+    try:
+        wire, lines, names = to_wire(text, message.DESCRIPTOR, record)
+    except Unsupported:
+        pass
+    else:
+        message.MergeFromString(wire)
+        return lines, names
+    if not record:
+        _merge(text, message, path, first_line)
+        return {}, {}
+    part = _merge(text, type(message)(), path, first_line)
+    found = _top_level_field_lines(text, record)
+    lines = {name: array("l", found[name]) for name in record}
+    names = {name: [m.name for m in getattr(part, name)] for name in record}
+    message.MergeFrom(part)
+    return lines, names
+
+
+#: A line where a top-level `layer` or V1 `layers` field starts: a NetParameter's only fields of
+#: those names, so a cut there is at the top level (lines cannot start inside a string).
+_LAYER_LINE = re.compile(r"^[ \t]*layers?[ \t]*[{<:]", re.M)
+
+
+def _parts(text, chunk_chars, message=None):
     """(start, end, first line) of consecutive pieces of about chunk_chars each, each cut at the
     start of a line where a top-level message field begins (a top-level field is merged the
-    same whether it comes alone or with the rest)."""
+    same whether it comes alone or with the rest). A NetParameter is cut at its layer lines,
+    found by one search each; other messages after a scan of their nesting."""
+    if not isinstance(message, caffe_pb2.NetParameter):
+        return _scanned_parts(text, chunk_chars)
+    parts, start, line = [], 0, 1
+    while len(text) - start > chunk_chars:
+        found = _LAYER_LINE.search(text, start + chunk_chars)
+        if found is None:
+            break
+        parts.append((start, found.start(), line))
+        line += text.count("\n", start, found.start())
+        start = found.start()
+    parts.append((start, len(text), line))
+    return parts
+
+
+def _scanned_parts(text, chunk_chars):
     fields, _balanced = _top_level_messages(text)
     parts, start, line = [], 0, 1
     for _name, offset, field_line in fields:
@@ -153,11 +269,13 @@ FORK_FIELDS = {
 
 
 def _fork_field_hint(message):
-    for (owner, name), hint in FORK_FIELDS.items():
-        if f'"caffe.{owner}" has no field named "{name}"' in message:
-            return f"{name} is a field of a Caffe fork, not of BVLC Caffe: {hint}"
-    match = re.search(r'"caffe\.(?:V1)?LayerParameter" has no field named "(\w+)"', message)
-    return forks.fork_of_field(match.group(1)) if match else None
+    match = re.search(r'"caffe\.(\w+)" has no field named "(\w+)"', message)
+    if not match:
+        return None
+    owner, name = match.groups()
+    if (owner, name) in FORK_FIELDS:
+        return f"{name} is a field of a Caffe fork, not of BVLC Caffe: {FORK_FIELDS[owner, name]}"
+    return forks.fork_of_field(name, owner)
 
 
 def _merge(text, message, path, first_line):
@@ -188,13 +306,10 @@ def read_net_text(source, is_text=None):
     else:
         path = os.fspath(source)
         text = read_text(path)
-    net = parse_text(text, caffe_pb2.NetParameter(), path)
-    lines = _top_level_field_lines(text, ("layer", "layers"))
-    smap = SourceMap(path=path, layer_lines=lines["layer"], v1_layer_lines=lines["layers"])
-    for lp, ln in zip(net.layer, smap.layer_lines):
-        smap.by_name.setdefault(lp.name, ln)
-    for lp, ln in zip(net.layers, smap.v1_layer_lines):
-        smap.by_name.setdefault(lp.name, ln)
+    net = caffe_pb2.NetParameter()
+    lines, names = _parse(text, net, path, record=("layer", "layers"))
+    del text
+    smap = SourceMap(path, lines["layer"], lines["layers"], names["layer"], names["layers"])
     return net, smap
 
 

@@ -479,14 +479,18 @@ def _upgrade_batchnorm(net):
 # ---------------------------------------------------------------------------- public
 
 
-def upgrade_net(net, source=None):
+def upgrade_net(net, source=None, copy=True):
     """Return ``(upgraded NetParameter, notes)`` with every deprecated form rewritten.
 
     Steps run in Caffe's order: V0 -> V1, data-transformation fields, V1 -> V2, input fields,
-    BatchNorm params. ``source`` (a file name) is only used in notes and errors.
+    BatchNorm params. ``source`` (a file name) is only used in notes and errors. With
+    ``copy=False`` a net that needs no upgrade comes back as it is (a caller that owns it, a
+    net of millions of layers: no copy); else always a new message.
     """
     if len(net.layer) > 0 and len(net.layers) > 0:
         raise PrototxtError(_MIXED_MESSAGE, path=source)
+    if not copy and not net_needs_upgrade(net):
+        return net, []
     where = _where(source)
     out = _copy(net)
     notes = []

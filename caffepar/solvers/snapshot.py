@@ -21,12 +21,17 @@ from caffepar.errors import MissingFileError, SolverError
 from caffepar.io.weights import (BLOB_DATA, BLOB_SHAPE, SHAPE_DIM, _Truncated, _encode_varint,
                                  _fields, _float_payload, _key, _length_delimited, atomic_write,
                                  decode_blob, temp_name_pattern)
+from caffepar.logs import note
 from caffepar.proto import caffe_pb2
+from caffepar.proto.forks import read_fork_fields
 
 STATE_HISTORY = 3
 STATE_RESIDUAL = 1002
 STATE_THRESHOLD = 1003
+STATE_COUNT = 1004
 _STREAMED = (STATE_HISTORY, STATE_RESIDUAL, STATE_THRESHOLD)
+CAFFE_STATE_NUMBERS = frozenset(range(1, 5))
+"""SolverState's field numbers in BVLC Caffe; the others are read field by field."""
 """Repeated BlobProto fields written and read without going through protobuf."""
 
 
@@ -112,19 +117,25 @@ def read_binary(path):
     if not buf:
         raise SolverError("empty solver state (cut short while being written or copied?)",
                           path=path)
-    rest = bytearray()
+    rest, ours = bytearray(), []
     blobs = {number: [] for number in _STREAMED}
     msg = caffe_pb2.SolverState()
     try:
         for number, wire, _value, s, e, fstart in _fields(buf, 0, len(buf)):
-            if number in blobs and wire == 2:
+            if number == STATE_HISTORY and wire == 2:
                 blobs[number].append(decode_blob(buf, s, e))
-            else:
+            elif number in CAFFE_STATE_NUMBERS:
                 rest += buf[fstart:e]
+            elif number == STATE_COUNT and fstart:
+                # caffepar writes its count first; elsewhere it is another Caffe's field
+                ours.append((None, wire, s, e, bytes(buf[fstart:e])))
+            else:
+                ours.append((number, wire, s, e, bytes(buf[fstart:e])))
         msg.ParseFromString(bytes(rest))
     except (_Truncated, DecodeError):
         raise SolverError("cannot decode as a binary SolverState (truncated or not a "
                           "solverstate)", path=path) from None
+    _read_extensions(path, buf, msg, ours, blobs)
     if msg.HasField("history_count"):
         _check_complete(path, msg.history_count, len(blobs[STATE_HISTORY]),
                         msg.HasField("rng_state"))
@@ -137,6 +148,31 @@ def read_binary(path):
         rng_state=msg.rng_state if msg.HasField("rng_state") else None,
         gradient_residual=[values for values, _shape, _legacy in blobs[STATE_RESIDUAL]],
         gradient_threshold=[values for values, _shape, _legacy in blobs[STATE_THRESHOLD]])
+
+
+def _read_extensions(path, buf, msg, fields, blobs):
+    """Our fields of a state (numbers BVLC Caffe does not use), each read where it holds what
+    ours holds; any other (a fork's field of the same number) stays unread, as in BVLC Caffe,
+    with one note."""
+    others, odd = [], None
+    for number, wire, s, e, raw in fields:
+        if number is None:
+            odd = odd or (STATE_COUNT, "history_count (caffepar writes it first)")
+            continue
+        if number not in blobs:
+            others.append((number, raw))
+            continue
+        try:
+            if wire != 2:
+                raise _Truncated()
+            blobs[number].append(decode_blob(buf, s, e))
+        except _Truncated:
+            odd = odd or (number, caffe_pb2.SolverState.DESCRIPTOR.fields_by_number[number].name)
+    _unread, other = read_fork_fields(msg, others)
+    odd = odd or other
+    if odd:
+        note(f"{os.path.basename(path)}: field {odd[0]} does not hold {odd[1]}, as it does "
+             "here; kept as an unknown field, as BVLC Caffe does")
 
 
 def _check_complete(path, expected, found, has_resume_record):
