@@ -115,3 +115,24 @@ def voc_folder(folder, train=12, test=6, seed=5):
                         label_map_file=str(voc / "labelmap.prototxt"), encode_type="jpg",
                         name_size_file=str(folder / f"{split}_name_size.txt"))
     return voc, voc / "labelmap.prototxt"
+
+
+def ssd_solver_param(folder, batch, iterations, prefix, size=32):
+    """The small SSD's training run on `folder`'s trainval_lmdb as a SolverParameter: RMSProp,
+    no test net, a snapshot at the end."""
+    from caffepar.proto import caffe_pb2
+    from caffepar.proto.text import parse_text
+    text = tiny_ssd("TRAIN", str(folder / "trainval_lmdb"), batch, size=size,
+                    label_map=str(folder / "voc" / "labelmap.prototxt"))
+    param = caffe_pb2.SolverParameter()
+    param.net_param.CopyFrom(parse_text(text, caffe_pb2.NetParameter()))
+    param.type = "RMSProp"
+    param.base_lr = 0.001
+    param.weight_decay = 0.0005
+    param.lr_policy = "fixed"
+    param.max_iter = iterations
+    param.display = 0
+    param.snapshot_after_train = True
+    param.snapshot_prefix = str(prefix)
+    param.random_seed = 5
+    return param
