@@ -173,18 +173,23 @@ def test_resize_is_opencvs(interp):
     for h, w in ((20, 30), (90, 122), (64, 64), (30, 100)):
         d = np.abs(A.resize(img, h, w, interp).astype(int)
                    - cv2.resize(img, (w, h), interpolation=flags[interp]).astype(int))
-        # Cubic: OpenCV's wheels resize through IPP, a level off on a few pixels.
-        assert d.max() <= (1 if interp in ("cubic", "area") else 0)
-        assert (d > 0).mean() < (0.06 if interp == "cubic" else 1e-3)
+        # Cubic: OpenCV's wheels resize through IPP, a level off on a few pixels (against the
+        # fork's OpenCV, without IPP, exact: test_ssd_fork_fixtures).
+        assert d.max() <= (1 if interp == "cubic" else 0)
+        assert (d > 0).mean() < (0.06 if interp == "cubic" else 1e-9)
 
 
 @need_cv2
 def test_hsv_is_opencvs():
+    """BGR2HSV is integer arithmetic in every OpenCV; HSV2BGR is checked against the fork's own
+    OpenCV (4.6) in test_ssd_fork_fixtures: later versions round where 4.6 truncates, so here
+    within one level."""
     img = np.random.default_rng(2).integers(0, 256, (40, 50, 3), dtype=np.uint8)
     hsv = cv2.cvtColor(img, cv2.COLOR_BGR2HSV)
     np.testing.assert_array_equal(A.bgr_to_hsv(img), hsv)
     hsv[..., 0] = A.convert_scale(hsv[..., 0], 1, 37.3)      # hues past 180, as AdjustHue does
-    np.testing.assert_array_equal(A.hsv_to_bgr(hsv), cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR))
+    d = A.hsv_to_bgr(hsv).astype(int) - cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR).astype(int)
+    assert d.min() >= -1 and d.max() <= 0
 
 
 def test_bad_settings_are_one_line(voc, tmp_path):

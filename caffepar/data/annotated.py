@@ -395,26 +395,33 @@ def bgr_to_hsv(img):
 _SECTORS = np.array([[1, 3, 0], [1, 0, 2], [3, 0, 1], [0, 2, 1], [0, 1, 3], [2, 1, 0]])
 
 
+HSV_BLOCK = 32
+"""Pixels of a row OpenCV 4.6's vector HSV2BGR takes at a time; the rest go through its
+scalar code."""
+
+
 def hsv_to_bgr(img):
-    """cvtColor(HSV2BGR) of uint8 images (H on the 0..180 scale), through OpenCV's floats."""
-    h = img[..., 0].astype(F32)
+    """cvtColor(HSV2BGR) of uint8 images (H on the 0..180 scale) as the fork's OpenCV (4.6)
+    computes it on a CPU with FMA: in float, 1 - s*h fused; the vector code (whole blocks of 32
+    pixels of a row) truncates the result, its scalar code (the rest of the row) rounds it.
+    (OpenCV 4.10 and later round throughout.)"""
+    h = img[..., 0].astype(F32) * F32(6 / 180)
     s = img[..., 1].astype(F32) * F32(1 / 255)
     v = img[..., 2].astype(F32) * F32(1 / 255)
-    h = h * F32(6 / 180)
-    h = np.where(h < 0, h + F32(6), h)
     h = np.where(h >= 6, h - F32(6), h)
     h = np.where(h >= 6, h - F32(6), h)
     sector = np.floor(h).astype(np.int64)
     h = (h - sector).astype(F32)
-    bad = (sector < 0) | (sector >= 6)
-    sector = np.where(bad, 0, sector)
-    h = np.where(bad, F32(0), h)
     one = F32(1)
-    tab = np.stack([v, v * (one - s), v * (one - s * h), v * (one - s * (one - h))], axis=-1)
-    idx = _SECTORS[sector]
-    out = np.take_along_axis(tab, idx, axis=-1)
-    out = np.where((s == 0)[..., None], v[..., None], out)
-    return np.clip(np.rint(out * F32(255)), 0, 255).astype(np.uint8)
+    fused = (lambda a, b: (1.0 - a.astype(np.float64) * b.astype(np.float64)).astype(F32))
+    tab = np.stack([v, v * (one - s), v * fused(s, h), v * fused(s, (one - h).astype(F32))],
+                   axis=-1)
+    out = np.take_along_axis(tab, _SECTORS[sector][..., :], axis=-1)
+    out = np.where((s == 0)[..., None], v[..., None], out) * F32(255)
+    vector = img.shape[1] - img.shape[1] % HSV_BLOCK
+    out[:, :vector] = np.floor(out[:, :vector])
+    out[:, vector:] = np.rint(out[:, vector:])
+    return np.clip(out, 0, 255).astype(np.uint8)
 
 
 def distort_image(img, p, rng):
@@ -534,11 +541,12 @@ def _lanczos4(x):
 def _taps(src, dst, kind):
     """Source indices (dst, k) and 11-bit weights of one axis for cubic / Lanczos-4 and for
     linear-like area upscaling."""
-    scale = src / dst
+    inv = dst / src
+    scale = 1.0 / inv                # as OpenCV derives it (src / dst can differ in the last bit)
     d = np.arange(dst)
     if kind == "area":
         sx = np.floor(d * scale).astype(np.int64)
-        f = ((d + 1) - (sx + 1) * (dst / src)).astype(F32)
+        f = ((d + 1) - (sx + 1) * inv).astype(F32)
         f = np.where(f <= 0, F32(0), f - np.floor(f)).astype(F32)
         low = sx < 0
         f[low], sx[low] = 0, 0
@@ -578,8 +586,8 @@ def _area_down(img, height, width):
     """INTER_AREA shrinking: each output pixel the area-weighted mean of the pixels it
     covers (an integer factor: the block mean)."""
     h, w = img.shape[:2]
-    sy, sx = h / height, w / width
-    if abs(sx - round(sx)) < 1e-15 and abs(sy - round(sy)) < 1e-15:
+    sy, sx = 1.0 / (height / h), 1.0 / (width / w)
+    if abs(sx - round(sx)) < 2.3e-16 and abs(sy - round(sy)) < 2.3e-16:
         ix, iy = int(round(sx)), int(round(sy))
         blocks = img[:height * iy, :width * ix].reshape(height, iy, width, ix, -1)
         total = blocks.astype(np.int64).sum(axis=(1, 3))
@@ -588,7 +596,9 @@ def _area_down(img, height, width):
         return np.clip(np.rint(total.astype(F32) * F32(1 / (ix * iy))), 0, 255).astype(np.uint8)
 
     def table(src, dst, scale):
-        m = np.zeros((dst, src), np.float64)
+        """computeResizeAreaTab: per output pixel its source pixels and weights, in order
+        (padded with weight 0, which leaves the float sums as they are)."""
+        rows = []
         for d in range(dst):
             f1 = d * scale
             f2 = f1 + scale
@@ -596,18 +606,31 @@ def _area_down(img, height, width):
             s1, s2 = int(np.ceil(f1)), int(np.floor(f2))
             s2 = min(s2, src - 1)
             s1 = min(s1, s2)
+            taps = []
             if s1 - f1 > 1e-3:
-                m[d, s1 - 1] = F32((s1 - f1) / cell)
-            m[d, s1:s2] = F32(1.0 / cell)
+                taps.append((s1 - 1, F32((s1 - f1) / cell)))
+            taps += [(k, F32(1.0 / cell)) for k in range(s1, s2)]
             if f2 - s2 > 1e-3:
-                m[d, s2] = F32(min(min(f2 - s2, 1.0), cell) / cell)
-        return m.astype(F32)
+                taps.append((s2, F32(min(min(f2 - s2, 1.0), cell) / cell)))
+            rows.append(taps)
+        n = max(len(t) for t in rows)
+        idx = np.zeros((dst, n), np.int64)
+        weight = np.zeros((dst, n), F32)
+        for d, taps in enumerate(rows):
+            for k, (i, w) in enumerate(taps):
+                idx[d, k], weight[d, k] = i, w
+        return idx, weight
 
-    my, mx = table(h, height, sy), table(w, width, sx)
-    c = img.shape[2] if img.ndim == 3 else 1
-    x = img.reshape(h, w * c).astype(F32)
-    rows = (my @ x).reshape(height, w, c)                      # (height, w, c)
-    out = np.matmul(rows.transpose(0, 2, 1), mx.T).transpose(0, 2, 1)
+    # ResizeArea_Invoker's float sums, in its order: along each source row, then down.
+    xi, xw = table(w, width, 1.0 / (width / w))
+    yi, yw = table(h, height, 1.0 / (height / h))
+    x = img.reshape(h, w, -1).astype(F32)
+    rows = np.zeros((h, width, x.shape[2]), F32)
+    for k in range(xi.shape[1]):
+        rows += x[:, xi[:, k]] * xw[None, :, k, None]
+    out = np.zeros((height, width, x.shape[2]), F32)
+    for k in range(yi.shape[1]):
+        out += rows[yi[:, k]] * yw[:, k, None, None]
     return np.clip(np.rint(out), 0, 255).astype(np.uint8)
 
 

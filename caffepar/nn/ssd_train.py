@@ -296,7 +296,8 @@ class MultiBoxLossLayer(Layer):
                                           bbox_size(dec, self.dtype.type), self.match_type,
                                           self.overlap_threshold, self.ignore_cross)
                     # The fork's indices are positions in the full list of ground truth.
-                    idx = np.where(idx >= 0, keep[np.maximum(idx, 0)], idx)
+                    if len(keep):
+                        idx = np.where(idx >= 0, keep[np.maximum(idx, 0)], idx)
                     found[label] = (idx, ov)
             else:
                 idx, ov = match_boxes(boxes, sizes, priors, prior_size, self.match_type,
