@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from caffepar.cli import main
 from caffepar.data import annotated as A
@@ -46,6 +47,8 @@ def test_annoset_records_are_the_xml_boxes(voc):
         image, xml = lines[2 * i], lines[2 * i + 1]
         assert anno.type == caffe_pb2.AnnotatedDatum.BBOX and anno.datum.encoded
         assert anno.datum.data == (root / image).read_bytes()      # stored as it was
+        w, h = Image.open(root / image).size
+        assert (anno.datum.channels, anno.datum.height, anno.datum.width) == (3, h, w)
         tree = ElementTree.parse(root / xml).getroot()
         w, h = int(tree.findtext("size/width")), int(tree.findtext("size/height"))
         assert sizes[i] == f"{Path(image).stem} {h} {w}"

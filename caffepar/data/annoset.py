@@ -208,6 +208,8 @@ def annotated_datum(image_path, anno_path, names, label_type, height=0, width=0,
         else:
             datum.data = _encode(img, encoding)
         datum.encoded = True
+        # The fork records the size of encoded images too (its TransformAnnotation reads it).
+        datum.height, datum.width, datum.channels = img.shape
     else:
         h, w, c = img.shape
         datum.channels, datum.height, datum.width = c, h, w

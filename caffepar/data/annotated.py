@@ -106,26 +106,37 @@ def clip_box(b):
     return np.clip(np.asarray(b, F32), F32(0), F32(1))
 
 
-def intersect(a, b):
-    if b[0] > a[2] or b[2] < a[0] or b[1] > a[3] or b[3] < a[1]:
-        return np.zeros(4, F32)
-    return np.array([max(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), min(a[3], b[3])], F32)
+def bbox_size(boxes, dtype=F32):
+    """BBoxSize of normalized boxes (..., 4): width * height, 0 for an inverted box."""
+    boxes = np.asarray(boxes, dtype)
+    w = boxes[..., 2] - boxes[..., 0]
+    h = boxes[..., 3] - boxes[..., 1]
+    return np.where((w < 0) | (h < 0), dtype(0), w * h)
 
 
-def jaccard(a, b):
-    """JaccardOverlap of two normalized boxes."""
-    i = intersect(a, b)
-    w, h = F32(i[2] - i[0]), F32(i[3] - i[1])
-    if w > 0 and h > 0:
-        inter = F32(w * h)
-        return F32(inter / F32(F32(box_size(a) + box_size(b)) - inter))
-    return F32(0)
+def jaccard(a, a_size, b, b_size, normalized=True):
+    """JaccardOverlap of every box of `a` (n, 4) with every box of `b` (m, 4): (n, m), with the
+    sizes the fork stores in its boxes (a box's own size field, as BBoxSize returns it)."""
+    dt = a.dtype.type
+    a = a[:, None, :]
+    b = b[None, :, :]
+    apart = (b[..., 0] > a[..., 2]) | (b[..., 2] < a[..., 0]) | \
+            (b[..., 1] > a[..., 3]) | (b[..., 3] < a[..., 1])
+    w = np.minimum(a[..., 2], b[..., 2]) - np.maximum(a[..., 0], b[..., 0])
+    h = np.minimum(a[..., 3], b[..., 3]) - np.maximum(a[..., 1], b[..., 1])
+    if not normalized:
+        w = w + dt(1)
+        h = h + dt(1)
+    hit = ~apart & (w > 0) & (h > 0)
+    inter = np.where(hit, w * h, dt(0))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = inter / ((a_size[:, None] + b_size[None, :]) - inter)
+    return np.where(hit, out, dt(0))
 
 
 def coverage(a, b):
     """BBoxCoverage: the part of box a that box b covers."""
-    inter = box_size(intersect(a, b))
-    return F32(inter / box_size(a)) if inter > 0 else F32(0)
+    return _coverage_matrix(np.asarray(a, F32)[None], np.asarray(b, F32)[None])[0, 0]
 
 
 def locate_box(src, b):
@@ -244,83 +255,132 @@ def extrapolate_box(param, height, width, crop, b):
 
 # ==================================================================== samplers
 def uniform(rng, low, high):
-    """caffe_rng_uniform of one float in [low, high]."""
+    """caffe_rng_uniform of one float in [low, high] (low when high is not above it)."""
     low, high = float(F32(low)), float(F32(high))
     return F32(low if high <= low else rng.uniform(low, high))
 
 
-def sample_box(sampler, rng):
-    """SampleBBox: a box of random scale and aspect ratio at a random place in [0, 1]^2."""
+def _check_sampler(sampler):
     if not (0 < sampler.min_scale <= sampler.max_scale <= 1):
         raise DataError(f"sampler needs 0 < min_scale <= max_scale <= 1, got "
                         f"{sampler.min_scale:g} and {sampler.max_scale:g}")
     if not (0 < sampler.min_aspect_ratio <= sampler.max_aspect_ratio):
         raise DataError(f"sampler needs 0 < min_aspect_ratio <= max_aspect_ratio, got "
                         f"{sampler.min_aspect_ratio:g} and {sampler.max_aspect_ratio:g}")
-    scale = uniform(rng, sampler.min_scale, sampler.max_scale)
-    ratio = uniform(rng, sampler.min_aspect_ratio, sampler.max_aspect_ratio)
-    sq = F32(float(scale) ** 2)
-    ratio = max(ratio, sq)
-    ratio = min(ratio, F32(1 / float(sq)))
-    w = F32(float(scale) * np.sqrt(float(ratio)))
-    h = F32(float(scale) / np.sqrt(float(ratio)))
-    x = uniform(rng, 0, F32(1) - w)
-    y = uniform(rng, 0, F32(1) - h)
-    return np.array([x, y, F32(x + w), F32(y + h)], F32)
+
+
+def _draw_boxes(limits, rng):
+    """SampleBBox for each row of limits (min_scale, max_scale, min_ratio, max_ratio): boxes
+    of random scale and aspect ratio at random places in [0, 1]^2, (n, 4) float32."""
+    lo = limits[:, [0, 2]]
+    hi = np.maximum(limits[:, [1, 3]], lo)
+    u = rng.random((len(limits), 4))
+    scale, ratio = (lo + (hi - lo) * u[:, :2]).astype(F32).T
+    sq = (scale.astype(np.float64) ** 2).astype(F32)
+    ratio = np.minimum(np.maximum(ratio, sq), (1 / sq.astype(np.float64)).astype(F32))
+    root = np.sqrt(ratio.astype(np.float64))
+    w = (scale * root).astype(F32)
+    h = (scale / root).astype(F32)
+    # Where rounding makes a box a hair wider than the image the fork aborts (its known
+    # "Check failed: a <= b (0 vs. -1.19209e-07)" in SampleBBox); the offset is 0 here.
+    room = np.maximum(np.stack([F32(1) - w, F32(1) - h], axis=1).astype(np.float64), 0)
+    x, y = (room * u[:, 2:]).astype(F32).T
+    return np.stack([x, y, (x + w).astype(F32), (y + h).astype(F32)], axis=1)
+
+
+def sample_boxes(sampler, rng, n):
+    """SampleBBox n times for one sampler: (n, 4)."""
+    _check_sampler(sampler)
+    limits = np.array([[sampler.min_scale, sampler.max_scale, sampler.min_aspect_ratio,
+                        sampler.max_aspect_ratio]], F32).astype(np.float64)
+    return _draw_boxes(np.repeat(limits, n, axis=0), rng)
+
+
+def _coverage_matrix(a, b):
+    """BBoxCoverage of each box of a by each box of b: (len(a), len(b))."""
+    a = a[:, None, :]
+    b = b[None, :, :]
+    apart = (b[..., 0] > a[..., 2]) | (b[..., 2] < a[..., 0]) | \
+            (b[..., 1] > a[..., 3]) | (b[..., 3] < a[..., 1])
+    iw = np.minimum(a[..., 2], b[..., 2]) - np.maximum(a[..., 0], b[..., 0])
+    ih = np.minimum(a[..., 3], b[..., 3]) - np.maximum(a[..., 1], b[..., 1])
+    inter = np.where(apart | (iw < 0) | (ih < 0), F32(0), iw * ih)
+    size = np.where((a[..., 2] < a[..., 0]) | (a[..., 3] < a[..., 1]), F32(0),
+                    (a[..., 2] - a[..., 0]) * (a[..., 3] - a[..., 1]))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(inter > 0, inter / size, F32(0)).astype(F32)
+
+
+CONSTRAINTS = (("jaccard", "min_jaccard_overlap", "max_jaccard_overlap"),
+               ("sample", "min_sample_coverage", "max_sample_coverage"),
+               ("object", "min_object_coverage", "max_object_coverage"))
+
+
+def satisfies_all(boxes, objects, constraint, measures=None):
+    """SatisfySampleConstraint for each of `boxes`: no bounds given, or some object within the
+    bounds of the first kind given (jaccard overlap, sample coverage, object coverage): the
+    fork's loop returns true once an object passed that first check. `measures` may hold the
+    (boxes x objects) matrices already computed, by kind."""
+    c = constraint
+    given = [k for k in CONSTRAINTS if c.HasField(k[1]) or c.HasField(k[2])]
+    if not given:
+        return np.ones(len(boxes), bool)
+    objects = np.asarray(objects, F32).reshape(-1, 4)
+    if not len(objects):
+        return np.zeros(len(boxes), bool)
+    kind, low, high = given[0]
+    v = (measures or {}).get(kind)
+    if v is None:
+        v = _measure(kind, boxes, objects)
+    ok = np.ones(v.shape, bool)
+    if c.HasField(low):
+        ok &= ~(v < F32(getattr(c, low)))
+    if c.HasField(high):
+        ok &= ~(v > F32(getattr(c, high)))
+    return ok.any(axis=1)
+
+
+def _measure(kind, boxes, objects):
+    if kind == "jaccard":
+        return jaccard(boxes, bbox_size(boxes), objects, bbox_size(objects))
+    if kind == "sample":
+        return _coverage_matrix(boxes, objects)
+    return _coverage_matrix(objects, boxes).T
 
 
 def satisfies(box, objects, constraint):
-    """SatisfySampleConstraint: no bounds given, or some object within all the bounds."""
-    c = constraint
-    jac = c.HasField("min_jaccard_overlap") or c.HasField("max_jaccard_overlap")
-    cov = c.HasField("min_sample_coverage") or c.HasField("max_sample_coverage")
-    obj = c.HasField("min_object_coverage") or c.HasField("max_object_coverage")
-    if not (jac or cov or obj):
-        return True
-    found = False
-    for o in objects:
-        if jac:
-            v = jaccard(box, o)
-            if c.HasField("min_jaccard_overlap") and v < F32(c.min_jaccard_overlap):
-                continue
-            if c.HasField("max_jaccard_overlap") and v > F32(c.max_jaccard_overlap):
-                continue
-            found = True
-        if cov:
-            v = coverage(box, o)
-            if c.HasField("min_sample_coverage") and v < F32(c.min_sample_coverage):
-                continue
-            if c.HasField("max_sample_coverage") and v > F32(c.max_sample_coverage):
-                continue
-            found = True
-        if obj:
-            v = coverage(o, box)
-            if c.HasField("min_object_coverage") and v < F32(c.min_object_coverage):
-                continue
-            if c.HasField("max_object_coverage") and v > F32(c.max_object_coverage):
-                continue
-            found = True
-        if found:
-            return True
-    return found
+    """SatisfySampleConstraint for one box."""
+    return bool(satisfies_all(np.asarray(box, F32)[None], objects, constraint)[0])
 
 
 def generate_samples(objects, batch_samplers, rng):
     """GenerateBatchSamples: for each sampler, max_trials draws keeping up to max_sample that
-    meet its constraint."""
-    out = []
-    unit = np.array([0, 0, 1, 1], F32)
-    for s in batch_samplers:
-        if not s.use_original_image:
-            continue
-        found = 0
-        for _ in range(s.max_trials):
-            if s.HasField("max_sample") and found >= s.max_sample:
-                break
-            box = locate_box(unit, sample_box(s.sampler, rng))
-            if satisfies(box, objects, s.sample_constraint):
-                found += 1
-                out.append(box)
+    meet its constraint (the draws are independent: all samplers' are made at once, and the
+    first that qualify kept)."""
+    samplers = [s for s in batch_samplers if s.use_original_image and s.max_trials]
+    if not samplers:
+        return []
+    for s in samplers:
+        _check_sampler(s.sampler)
+    counts = [s.max_trials for s in samplers]
+    limits = np.repeat(np.array([[s.sampler.min_scale, s.sampler.max_scale,
+                                  s.sampler.min_aspect_ratio, s.sampler.max_aspect_ratio]
+                                 for s in samplers], F32).astype(np.float64), counts, axis=0)
+    boxes = _draw_boxes(limits, rng)
+    objects = np.asarray(objects, F32).reshape(-1, 4)
+    kinds = {k[0] for s in samplers for k in CONSTRAINTS
+             if s.sample_constraint.HasField(k[1]) or s.sample_constraint.HasField(k[2])}
+    measures = {k: _measure(k, boxes, objects) for k in kinds} if len(objects) else {}
+    out, start = [], 0
+    for s, n in zip(samplers, counts):
+        part = slice(start, start + n)
+        start += n
+        keep = np.flatnonzero(satisfies_all(
+            boxes[part], objects, s.sample_constraint,
+            {k: v[part] for k, v in measures.items()}))
+        if s.HasField("max_sample"):
+            keep = keep[:s.max_sample]
+        out.extend(boxes[part][keep])
     return out
 
 

@@ -10,6 +10,7 @@ docstrings say.
 """
 import numpy as np
 
+from caffepar.data.annotated import bbox_size, jaccard, project_box
 from caffepar.nn.base import Layer, register
 from caffepar.nn.ssd import decode_boxes
 from caffepar.proto import caffe_pb2
@@ -22,35 +23,7 @@ NORM = caffe_pb2.LossParameter
 RESIZE = caffe_pb2.ResizeParameter
 
 
-# ==================================================================== boxes, as the fork's
-def bbox_size(boxes, dtype=F32):
-    """BBoxSize of normalized boxes (..., 4): width * height, 0 for an inverted box."""
-    boxes = np.asarray(boxes, dtype)
-    w = boxes[..., 2] - boxes[..., 0]
-    h = boxes[..., 3] - boxes[..., 1]
-    return np.where((w < 0) | (h < 0), dtype(0), w * h)
-
-
-def jaccard(a, a_size, b, b_size, normalized=True):
-    """JaccardOverlap of every box of `a` (n, 4) with every box of `b` (m, 4): (n, m), with the
-    sizes the fork stores in its boxes (a box's own size field, as BBoxSize returns it)."""
-    dt = a.dtype.type
-    a = a[:, None, :]
-    b = b[None, :, :]
-    apart = (b[..., 0] > a[..., 2]) | (b[..., 2] < a[..., 0]) | \
-            (b[..., 1] > a[..., 3]) | (b[..., 3] < a[..., 1])
-    w = np.minimum(a[..., 2], b[..., 2]) - np.maximum(a[..., 0], b[..., 0])
-    h = np.minimum(a[..., 3], b[..., 3]) - np.maximum(a[..., 1], b[..., 1])
-    if not normalized:
-        w = w + dt(1)
-        h = h + dt(1)
-    hit = ~apart & (w > 0) & (h > 0)
-    inter = np.where(hit, w * h, dt(0))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = inter / ((a_size[:, None] + b_size[None, :]) - inter)
-    return np.where(hit, out, dt(0))
-
-
+# ==================================================================== matching and encoding
 def match_boxes(gt, gt_size, boxes, boxes_size, match_type, threshold, ignore_cross_boundary):
     """MatchBBox: (index of the ground truth each box matches or -1, -2 for an ignored
     cross-boundary box; the overlap recorded for it). Bipartite first: the largest overlap
@@ -569,7 +542,6 @@ def output_box(box, size, height, width, resize):
     """OutputBBox: a normalized box (with its stored size) in pixels of an image of
     height x width, through the resize policy the test images went through. Returns the
     box and its size."""
-    from caffepar.data.annotated import project_box
     dt = F32
     box = np.asarray(box, dt)
 
