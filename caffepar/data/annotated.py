@@ -139,13 +139,6 @@ def coverage(a, b):
     return _coverage_matrix(np.asarray(a, F32)[None], np.asarray(b, F32)[None])[0, 0]
 
 
-def locate_box(src, b):
-    """LocateBBox: box b given inside src, in src's frame."""
-    w, h = F32(src[2] - src[0]), F32(src[3] - src[1])
-    return np.array([src[0] + b[0] * w, src[1] + b[1] * h, src[0] + b[2] * w,
-                     src[1] + b[3] * h], F32)
-
-
 def project_box(src, b):
     """ProjectBBox: box b in the frame of src, clipped. Returns (box, kept): box is None when
     b misses src altogether; kept is whether the projected box has an area."""
@@ -346,11 +339,6 @@ def _measure(kind, boxes, objects):
     if kind == "sample":
         return _coverage_matrix(boxes, objects)
     return _coverage_matrix(objects, boxes).T
-
-
-def satisfies(box, objects, constraint):
-    """SatisfySampleConstraint for one box."""
-    return bool(satisfies_all(np.asarray(box, F32)[None], objects, constraint)[0])
 
 
 def generate_samples(objects, batch_samplers, rng):
