@@ -415,6 +415,56 @@ def data_imageset(root, listfile, db, resize_height, resize_width, shuffle, enco
                      gray=gray, encode_type=encode_type, backend=backend)
 
 
+@data_group.command("annoset")
+@click.argument("root", type=click.Path(exists=True, file_okay=False))
+@click.argument("listfile", type=click.Path(exists=True, dir_okay=False))
+@click.argument("db", type=click.Path())
+@click.option("--anno-type", "--anno_type", "anno_type", default="detection",
+              show_default=True, type=click.Choice(["detection", "classification"]))
+@click.option("--label-type", "--label_type", "label_type", default="xml", show_default=True,
+              type=click.Choice(["xml", "json", "txt"]))
+@click.option("--label-map-file", "--label_map_file", "label_map_file", default="",
+              help="LabelMap prototxt; written from the annotations' class names when it "
+                   "does not exist.")
+@click.option("--check-label", "--check_label", "check_label", is_flag=True,
+              help="A class name given twice in the label map is an error.")
+@click.option("--min-dim", "--min_dim", "min_dim", default=0, type=click.IntRange(min=0))
+@click.option("--max-dim", "--max_dim", "max_dim", default=0, type=click.IntRange(min=0))
+@click.option("--resize-height", "--resize_height", "resize_height", default=0,
+              type=click.IntRange(min=0))
+@click.option("--resize-width", "--resize_width", "resize_width", default=0,
+              type=click.IntRange(min=0))
+@click.option("--encode-type", "--encode_type", "encode_type", default="",
+              help="Re-encode as jpg or png (implies --encoded).")
+@click.option("--encoded", is_flag=True, help="Store the encoded image bytes.")
+@click.option("--gray", is_flag=True, help="Store single-channel images.")
+@click.option("--shuffle", is_flag=True, help="Shuffle the list before converting.")
+@click.option("--check-size", "--check_size", "check_size", is_flag=True,
+              help="All records must have the same size.")
+@click.option("--backend", default="lmdb", type=click.Choice(["lmdb", "leveldb"]))
+@click.option("--name-size-file", "--name_size_file", "name_size_file", default=None,
+              type=click.Path(dir_okay=False),
+              help="Write \"name height width\" per record (DetectionEvaluate's "
+                   "name_size_file, the fork's test_name_size.txt).")
+@click.option("--redo", is_flag=True, help="Replace DB when it exists.")
+def data_annoset(root, listfile, db, anno_type, label_type, label_map_file, check_label,
+                 min_dim, max_dim, resize_height, resize_width, encode_type, encoded, gray,
+                 shuffle, check_size, backend, name_size_file, redo):
+    """Images and their box files named in LISTFILE ("image annotation" lines, under ROOT) ->
+    DB of AnnotatedDatums (the SSD fork's create_annoset / convert_annoset)."""
+    import shutil
+    from caffepar.data.annoset import convert_annoset
+    if redo and os.path.exists(db):
+        shutil.rmtree(db)
+    n = convert_annoset(root, listfile, db, label_map_file=label_map_file, anno_type=anno_type,
+                        label_type=label_type, check_label=check_label, min_dim=min_dim,
+                        max_dim=max_dim, resize_height=resize_height, resize_width=resize_width,
+                        backend=backend, shuffle=shuffle, check_size=check_size,
+                        encode_type=encode_type, encoded=encoded, gray=gray,
+                        name_size_file=name_size_file)
+    click.echo(f"Processed {n} files.")
+
+
 @data_group.command("mean")
 @click.argument("db", type=click.Path(exists=True))
 @click.argument("out", type=click.Path(dir_okay=False))

@@ -82,6 +82,7 @@ def layer_flops(layer, bottom_shapes, top_shapes):
              "Exp", "Log", "BNLL", "Threshold", "Clip", "Swish", "MVN", "Reduction", "ReLU6"):
         return out * (2 if t == "Scale" and len(layer.blobs) > 1 else 1)
     if t in ("Input", "DummyData", "Data", "ImageData", "HDF5Data", "MemoryData", "Split",
+             "AnnotatedData", "WindowData",
              "Concat", "Slice", "Flatten", "Reshape", "Dropout", "Silence", "Crop", "Tile",
              "Parameter", "Filter", "BatchReindex", "Python", "ShuffleChannel"):
         return 0

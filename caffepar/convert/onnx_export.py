@@ -774,10 +774,10 @@ from caffepar.convert.onnx_ssd import SSD_CONVERTERS  # noqa: E402
 
 CONVERTERS.update(SSD_CONVERTERS)
 
-_DATA_TYPES = {"Data", "ImageData", "HDF5Data", "MemoryData", "WindowData"}
+_DATA_TYPES = {"Data", "ImageData", "HDF5Data", "MemoryData", "WindowData", "AnnotatedData"}
 _LOSS_TYPES = {"SoftmaxWithLoss", "SigmoidCrossEntropyLoss", "EuclideanLoss", "HingeLoss",
                "InfogainLoss", "MultinomialLogisticLoss", "ContrastiveLoss", "Accuracy",
-               "HDF5Output"}
+                "HDF5Output", "MultiBoxLoss", "DetectionEvaluate"}
 UNSUPPORTED = {
     **{t: "reads a dataset; export the deploy net, whose Input layer becomes the graph input"
        for t in _DATA_TYPES},

@@ -4,6 +4,7 @@ from caffepar.nn import (common, data, inner_product, loss, neuron,  # noqa: F40
                          normalization, pooling, python_layer, recurrent, ssd, vision,
                          window_data)
 from caffepar.nn import detection, mobile, segmentation, senet  # noqa: F401  (Caffe forks')
+from caffepar.nn import annotated_data, ssd_train  # noqa: F401  (SSD's training layers)
 from caffepar.nn.base import LAYERS, Layer, _known, layer_class, register
 
 

@@ -204,10 +204,15 @@ class BatchNormLayer(Layer):
 
     Blobs (kept unscaled, as Caffe does): 0 = running mean sum, 1 = running variance sum
     (unbiased, m/(m-1)), 2 = the scale factor dividing both. Their lr_mult is forced to 0.
+
+    In a P-rank run the batch statistics are those of the whole batch (sums over the ranks
+    through `replica_sum`), so that P ranks at batch B train as one process at batch P*B.
     """
 
     exact_bottoms = 1
     exact_tops = 1
+    uses_replica_sum = True
+    replica_sum = None
 
     def layer_setup(self, bottom, top):
         p = self.param.batch_norm_param
@@ -247,15 +252,25 @@ class BatchNormLayer(Layer):
             factor = 0 if s == 0 else 1 / s
             mean = self.blobs[0].data * factor
             var = self.blobs[1].data * factor
+        elif self.replica_sum is not None:
+            total = self.replica_sum(np.append(x.sum(axis=(0, 2), dtype=np.float64),
+                                               x.size // self.channels), "BatchNorm mean")
+            self.count = int(total[-1])
+            mean = (total[:-1] / self.count).astype(self.dtype)
         else:
             mean = x.mean(axis=(0, 2))
         np.subtract(x, mean[:, None].astype(self.dtype), out=y)
         if not self.use_global:
-            var = np.square(y).mean(axis=(0, 2))
+            if self.replica_sum is not None:
+                var = (self.replica_sum(np.square(y).sum(axis=(0, 2), dtype=np.float64),
+                                        "BatchNorm variance") / self.count).astype(self.dtype)
+                m = self.count
+            else:
+                var = np.square(y).mean(axis=(0, 2))
+                m = x.size // self.channels
             b = self.blobs
             b[2].data[...] = b[2].data * self.fraction + 1
             b[0].data[...] = mean + self.fraction * b[0].data
-            m = x.size // self.channels
             correction = m / (m - 1) if m > 1 else 1
             b[1].data[...] = correction * var + self.fraction * b[1].data
         self.std = np.sqrt(var + self.eps).astype(self.dtype)
@@ -274,6 +289,11 @@ class BatchNormLayer(Layer):
         n = y.shape[0] * y.shape[2]
         a = np.einsum("ncs,ncs->c", dy, y)[:, None]
         b = dy.sum(axis=(0, 2))[:, None]
+        if self.replica_sum is not None:
+            total = self.replica_sum(np.concatenate([a[:, 0], b[:, 0]]), "BatchNorm diff")
+            a = total[:self.channels, None].astype(self.dtype)
+            b = total[self.channels:, None].astype(self.dtype)
+            n = self.count
         t = y * a
         t += b
         t *= -1.0 / n

@@ -55,6 +55,20 @@ def average_outputs(net, comm, loss):
     return float(flat[-1])
 
 
+class ReplicaSum:
+    """Given to the layers whose training pass depends on the whole batch (BatchNorm's
+    statistics, MultiBoxLoss's normalizer): values summed over the ranks, so that P ranks at
+    batch B compute what one process at batch P*B does. Layers see a function, not MPI."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.world = comm.size
+
+    def __call__(self, values, tag="replica sum"):
+        buf = np.array(values, np.float64).reshape(-1)
+        return self.comm.allreduce_sum(buf, tag=tag)
+
+
 def _sharded_layers(net):
     return [layer for layer in net.layers if getattr(layer, "sharded", False)]
 
@@ -101,8 +115,12 @@ class ParallelSolverMixin:
         # dropout masks, while rank 0's replicated weights are made authoritative.
         common.set_random_seed(self.param.random_seed * 7919 + comm.rank)
         comm.bcast(net.param_data[:net.replicated_count], root=0, tag="initial params")
-        for test_net in self.test_nets:
-            _AveragedOutputs(test_net, comm)
+        if self.param.eval_type != "detection":
+            for test_net in self.test_nets:
+                _AveragedOutputs(test_net, comm)
+        for layer in [l for n in [net] + self.test_nets for l in n.layers]:
+            if getattr(layer, "uses_replica_sum", False):
+                layer.replica_sum = ReplicaSum(comm)
         self.writes_files = comm.rank == 0
         self._learnable_layers = self._owner_layers()
         correction = None
@@ -122,6 +140,16 @@ class ParallelSolverMixin:
                         f"{', '.join(sharded) or 'no layer'} model parallel, the rest data "
                         f"parallel; {net.replicated_count:,} replicated parameters reduced "
                         "with one allreduce")
+
+    def gather_detection_rows(self, rows):
+        """Every rank's DetectionEvaluate rows, on every rank (images are told apart by
+        rank only within AP's sums, which do not need it)."""
+        gathered = self.comm.gather_object(rows, root=0)
+        if self.comm.rank == 0:
+            merged = {name: [a for part in gathered for a in part[name]] for name in rows}
+        else:
+            merged = None
+        return self.comm.bcast_object(merged, root=0)
 
     def _make_net(self, source, phase, level, stages):
         return Net(source, phase=phase, level=level, stages=stages,

@@ -19,7 +19,6 @@ GAL_DROPOUT = "Gal's Bayesian dropout (yaringal/DropoutUncertaintyCaffeModels)"
 
 #: Layer types of Caffe's forks that caffepar does not implement -> the fork.
 FORK_LAYER_TYPES = {
-    **{t: SSD for t in ("MultiBoxLoss", "AnnotatedData", "DetectionEvaluate")},
     "SmoothL1Loss": f"{FAST_RCNN} and {SSD}",
     "BoxAnnotatorOHEM": RFCN,
     **{t: DEEPLAB for t in ("DenseCRF", "SegAccuracy", "MatRead", "MatWrite", "UniqueLabel",
@@ -35,8 +34,6 @@ FORK_LAYER_TYPES = {
 
 #: LayerParameter fields (`*_param`) of Caffe's forks that caffepar's schema lacks -> the fork.
 FORK_LAYER_FIELDS = {
-    **{f: SSD for f in ("multibox_loss_param", "annotated_data_param",
-                        "detection_evaluate_param")},
     "smooth_l1_loss_param": FAST_RCNN,
     "box_annotator_ohem_param": RFCN,
     **{f: DEEPLAB for f in ("dense_crf_param", "seg_accuracy_param", "mat_read_param",

@@ -28,6 +28,7 @@ BINARYPROTO = caffe_pb2.SolverParameter.BINARYPROTO
 HDF5 = caffe_pb2.SolverParameter.HDF5
 
 ACTIONS = ("none", "snapshot", "stop")
+AP_VERSIONS = ("11point", "MaxIntegral", "Integral")
 CHUNK = 1 << 18
 """Elements per step of the update loop: bounds the scratch memory on very large blobs."""
 
@@ -134,6 +135,12 @@ class Solver:
             raise SolverError(f"average_loss must be >= 1, got {p.average_loss}")
         if p.iter_size < 1:
             raise SolverError(f"iter_size must be >= 1, got {p.iter_size}")
+        if p.eval_type not in ("classification", "detection"):
+            raise SolverError(f'unknown eval_type "{p.eval_type}" (classification or '
+                              'detection)', path=self.source)
+        if p.eval_type == "detection" and p.ap_version not in AP_VERSIONS:
+            raise SolverError(f'unknown ap_version "{p.ap_version}" ({", ".join(AP_VERSIONS)})',
+                              path=self.source)
         self._check_snapshot_prefix()
         if p.random_seed >= 0:
             common.set_random_seed(p.random_seed)
@@ -505,8 +512,10 @@ class Solver:
 
     def test(self, test_net_id=0):
         """Caffe's Test: test_iter[id] forwards of the test net sharing the train net's weights;
-        each output element averaged over them."""
+        each output element averaged over them (eval_type "detection": the SSD fork's mAP)."""
         p = self.param
+        if p.eval_type == "detection":
+            return self.test_detection(test_net_id)
         log.info("Iteration %d, Testing net (#%d)", self.iter, test_net_id)
         test_net = self.test_nets[test_net_id]
         test_net.share_with(self.net)
@@ -554,6 +563,61 @@ class Solver:
             self._row.setdefault("test", {}).update(
                 {prefix + k: v for k, v in results.items()})
         return results
+
+    def test_detection(self, test_net_id=0):
+        """The SSD fork's TestDetection: the DetectionEvaluate rows of test_iter[id] forwards,
+        gathered per output, give each output's mean average precision (ap_version)."""
+        from caffepar.nn.ssd_train import detection_map
+        p = self.param
+        log.info("Iteration %d, Testing net (#%d)", self.iter, test_net_id)
+        test_net = self.test_nets[test_net_id]
+        test_net.share_with(self.net)
+        n = p.test_iter[test_net_id]
+        rows = {name: [] for name in test_net.outputs}
+        loss = np.float32(0)
+        for _ in range(n):
+            request = self.requested_action()
+            if request == "snapshot":
+                self.snapshot()
+            elif request == "stop":
+                self.requested_early_exit = True
+            if self.requested_early_exit:
+                break
+            iter_loss = test_net.forward_from_to()
+            if p.test_compute_loss:
+                loss += np.float32(iter_loss)
+            for name in test_net.outputs:
+                data = np.asarray(test_net.blobs[name].data, np.float32)
+                if data.ndim == 0 or data.shape[-1] != 5:
+                    raise SolverError(f'eval_type "detection" takes test net outputs of rows of '
+                                      f'5 values (a DetectionEvaluate top); output "{name}" has '
+                                      f"shape {tuple(data.shape)}", path=self.source)
+                rows[name].append(data.reshape(-1, 5).copy())
+        if self.requested_early_exit:
+            log.info("Test interrupted.")
+            return None
+        rows = self.gather_detection_rows(rows)
+        if p.test_compute_loss:
+            loss = np.float32(loss / n)
+            log.info("Test loss: %s", _g(loss))
+        results = {}
+        for index, name in enumerate(test_net.outputs):
+            found = np.concatenate(rows[name]) if rows[name] else np.zeros((0, 5), np.float32)
+            mean_ap, aps = detection_map(found, p.ap_version)
+            if p.show_per_class_result:
+                for label, ap in aps.items():
+                    log.info("class%d: %s", label, _g(ap))
+            log.info("    Test net output #%d: %s = %s", index, name, _g(mean_ap))
+            results[name] = float(np.float32(mean_ap))
+        if self._row is not None:
+            prefix = "" if test_net_id == 0 else f"{test_net_id}/"
+            self._row.setdefault("test", {}).update(
+                {prefix + k: v for k, v in results.items()})
+        return results
+
+    def gather_detection_rows(self, rows):
+        """{output: [row arrays]} of every rank (one process: its own)."""
+        return rows
 
     # ------------------------------------------------------------------ update
     def apply_update(self):

@@ -1,0 +1,454 @@
+#!/usr/bin/env python
+"""Fine-tuning MobileNet-SSD on a VOC-format folder, caffepar beside the SSD fork of Caffe:
+mAP on held-out images over training, time per iteration, and P=2 against one process.
+
+    python scripts/train_ssd.py --mobilenet-ssd DIR --caffe PATH/caffe [--work DIR]
+                                [--size 96] [--iterations 1500] [--batch 8] [--base-lr 0.002]
+
+DIR is a checkout of chuanqi305/MobileNet-SSD (its template/MobileNetSSD_{train,test}_template
+.prototxt and solver_train.prototxt are read from there; nothing of it is copied here). PATH/caffe
+is the weiliu89/caffe `ssd` branch's tool. The steps, each skipped when its output exists (so an
+interrupted run continues where it stopped; training resumes from its last snapshot):
+
+1. `scripts/make_shapes_voc.py` draws the dataset (3000 training, 500 test images of 5 shape
+   classes) and `caffepar data annoset` converts it (JPEG records, label map, name/size file);
+2. the published nets get what gen_model.sh gives them (num_classes = 6) and, so that runs fit
+   a shared 2-core machine, a smaller input (--size; 300 published; PriorBox sizes scaled by
+   size/300, so the priors cover the same fraction of the image), batch sizes, the data paths
+   and CPU mode. The solver keeps its type (RMSProp), weight decay, steps and ap_version
+   ("11point"); there are no published weights to fine-tune from (the repository's caffemodel
+   is not in it), so both programs train from their fillers, at --base-lr (the published 5e-4
+   is a fine-tuning rate) for --iterations, testing every --test-interval;
+3. the fork and caffepar train side by side (one thread each), so that their mAP curves share
+   the machine's ups and downs;
+4. time per iteration: --rounds alternating runs of --time-iterations, the fork then caffepar,
+   each alone with all threads (a ratio measured side by side);
+5. caffepar over `--np 2 --parallel data` at batch B/2 per rank against one process at batch B
+   for --parallel-iterations iterations, augmentations on: losses and weights must agree.
+
+Writes results/ssd_finetune.{csv,md,png}.
+"""
+import argparse
+import csv
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+CLASSES = 6                                    # background + the 5 shape classes
+
+
+# ---------------------------------------------------------------- nets and solver
+def edit_net(text, size, source, batch, label_map):
+    """The published prototxt as gen_model.sh makes it for CLASSES, at input `size`."""
+    text = text.replace("cls6x", str(CLASSES * 6)).replace("cls3x", str(CLASSES * 3))
+    text = text.replace("cls1x", str(CLASSES))
+    text = re.sub(r"(height|width): 300\b", lambda m: f"{m.group(1)}: {size}", text)
+    scale = size / 300.0
+    text = re.sub(r"(min_size|max_size): ([0-9.]+)",
+                  lambda m: f"{m.group(1)}: {round(float(m.group(2)) * scale):.1f}", text)
+    text = re.sub(r'source: "[^"]*"', f'source: "{source}"', text)
+    text = re.sub(r"batch_size: \d+", f"batch_size: {batch}", text)
+    text = re.sub(r'label_map_file: "[^"]*"', f'label_map_file: "{label_map}"', text)
+    return text
+
+
+def edit_solver(text, train_net, test_net, test_iter, args, prefix, max_iter=None):
+    """solver_train.prototxt with this run's nets, lengths, rate and CPU mode (its steps, at
+    20000 and 40000, stay: a shorter run keeps one rate)."""
+    max_iter = max_iter or args.iterations
+    fields = {"train_net": f'"{train_net}"', "test_net": f'"{test_net}"',
+              "test_iter": test_iter, "test_interval": args.test_interval,
+              "max_iter": max_iter, "snapshot": args.snapshot, "snapshot_prefix": f'"{prefix}"',
+              "solver_mode": "CPU", "test_initialization": "true", "display": args.display,
+              "random_seed": args.seed, "base_lr": args.base_lr}
+    lines = [line for line in text.splitlines() if line.split(":")[0].strip() not in fields]
+    lines += [f"{key}: {value}" for key, value in fields.items()]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- logs
+ITER = re.compile(r"^I(?:\d{4})?\d{4} (\d\d):(\d\d):([\d.]+) .*Iteration (\d+)(?: \(.*\))?, "
+                  r"loss = ([\d.e+-]+|nan|inf)")
+TESTING = re.compile(r"Iteration (\d+), Testing net")
+MAP = re.compile(r"Test net output #0: detection_eval = ([\d.e+-]+)")
+
+
+def parse_log(paths):
+    """(smoothed losses {iter: loss}, mAP {iter: value}, seconds per iteration of each display
+    interval that had no test in it), from either program's log (glog lines)."""
+    losses, maps, per_iter = {}, {}, []
+    for path in paths:
+        testing, last = None, None
+        for line in Path(path).read_text(errors="replace").splitlines():
+            m = ITER.search(line)
+            if m:
+                h, mi, sec, it = int(m.group(1)), int(m.group(2)), float(m.group(3)), \
+                    int(m.group(4))
+                losses[it] = float(m.group(5))
+                t = h * 3600 + mi * 60 + sec
+                if last is not None and it > last[0] and not last[2]:
+                    per_iter.append(((t - last[1]) % 86400) / (it - last[0]))
+                last = (it, t, False)
+                continue
+            m = TESTING.search(line)
+            if m:
+                testing = int(m.group(1))
+                if last is not None:
+                    last = (last[0], last[1], True)
+                continue
+            m = MAP.search(line)
+            if m and testing is not None:
+                maps[testing] = float(m.group(1))
+    return losses, maps, per_iter
+
+
+def latest_state(folder, prefix):
+    states = sorted(folder.glob(f"{prefix}_iter_*.solverstate"),
+                    key=lambda p: int(re.search(r"_iter_(\d+)", p.name).group(1)))
+    return states[-1] if states else None
+
+
+def run_logged(cmd, log, cwd, env):
+    """Run cmd in cwd with its output into log; a failure ends the script naming the log."""
+    print("+", " ".join(map(str, cmd)), f"> {log}", flush=True)
+    with open(log, "w") as f:
+        proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, stdout=f,
+                              stderr=subprocess.STDOUT)
+    if proc.returncode:
+        sys.exit(f"{cmd[0]} failed ({proc.returncode}); see {log}")
+
+
+def caffepar_cmd():
+    exe = Path(sys.executable).with_name("caffepar")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "caffepar.cli"]
+
+
+def command(kind, solver, args, threads, state=None):
+    if kind == "fork":
+        cmd = [args.caffe, "train", f"-solver={solver}"]
+        return cmd + [f"-snapshot={state}"] if state else cmd
+    cmd = caffepar_cmd() + ["train", "--solver", solver, "--threads", str(threads)]
+    return cmd + ["--snapshot", state] if state else cmd
+
+
+def train_side_by_side(work, args):
+    """The fork's and caffepar's training runs at once, one thread each (continued from their
+    last snapshots when interrupted); returns each one's logs."""
+    procs = {}
+    for kind in ("fork", "caffepar"):
+        folder = work / kind
+        if kind in args.skip or (folder / "done").exists():
+            continue
+        logs = sorted(folder.glob("train*.log"))
+        state = latest_state(folder / "snap", "mobilenet")
+        log = folder / f"train{len(logs):02d}.log"
+        cmd = command(kind, "solver.prototxt", args, 1, state)
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+                   GLOG_logtostderr="1")
+        print("+", " ".join(map(str, cmd)), f"> {log}", flush=True)
+        procs[kind] = (subprocess.Popen([str(c) for c in cmd], cwd=folder, env=env,
+                                        stdout=open(log, "w"), stderr=subprocess.STDOUT), log)
+    for kind, (proc, log) in procs.items():
+        if proc.wait():
+            sys.exit(f"{kind} training failed ({proc.returncode}); see {log}")
+        (work / kind / "done").write_text("")
+    return {kind: sorted((work / kind).glob("train*.log")) for kind in ("fork", "caffepar")}
+
+
+def time_rounds(work, data, args, templates):
+    """Seconds per iteration of each program alone with all threads, in alternating rounds of
+    args.time_iterations from the same start (no test): {kind: [per-round medians]}."""
+    out = work / "timing"
+    result = out / "result.json"
+    if result.exists():
+        return json.loads(result.read_text())
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(args.threads),
+               OMP_NUM_THREADS=str(args.threads), GLOG_logtostderr="1")
+    times = {"fork": [], "caffepar": []}
+    for r in range(args.rounds):
+        for kind in ("fork", "caffepar"):
+            folder = out / f"{kind}{r}"
+            shutil.rmtree(folder, ignore_errors=True)
+            (folder / "snap").mkdir(parents=True)
+            write_nets(folder, data, args, templates, args.batch)
+            solver = edit_solver(templates["solver"], "train.prototxt", "test.prototxt", 1,
+                                 argparse.Namespace(**{**vars(args), "test_interval": 10 ** 6,
+                                                       "snapshot": 0, "display": 5}),
+                                 "snap/mobilenet", max_iter=args.time_iterations)
+            (folder / "solver.prototxt").write_text(
+                solver.replace("test_initialization: true", "test_initialization: false") +
+                "snapshot_after_train: false\n")
+            run_logged(command(kind, "solver.prototxt", args, args.threads), folder / "train.log",
+                       folder, env)
+            per_iter = parse_log([folder / "train.log"])[2][1:]     # the first interval warms up
+            times[kind].append(float(np.median(per_iter)))
+            print(f"round {r}: {kind} {times[kind][-1]:.3f} s/iteration", flush=True)
+    times["load"] = os.getloadavg()[0]
+    result.write_text(json.dumps(times, indent=1))
+    return times
+
+
+def write_nets(folder, data, args, templates, batch):
+    (folder / "train.prototxt").write_text(edit_net(
+        templates["train"], args.size, data / "trainval_lmdb", batch,
+        data / "voc" / "labelmap.prototxt"))
+    (folder / "test.prototxt").write_text(edit_net(
+        templates["test"], args.size, data / "test_lmdb", 8, data / "voc" / "labelmap.prototxt"))
+
+
+# ---------------------------------------------------------------- P=2 against one process
+def parallel_check(work, data, args, env, templates):
+    """caffepar at batch B (one process) and at B/2 on each of 2 ranks, DATA mode, from the
+    same start with augmentations on: per-iteration loss and final weights."""
+    from caffepar.io.weights import read_caffemodel
+    out = work / "parallel"
+    result = out / "result.json"
+    if result.exists():
+        return json.loads(result.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    n = args.parallel_iterations
+    runs = {}
+    for name, batch, ranks in (("one", args.batch, 1), ("np2", args.batch // 2, 2)):
+        folder = out / name
+        shutil.rmtree(folder, ignore_errors=True)
+        (folder / "snap").mkdir(parents=True)
+        write_nets(folder, data, args, templates, batch)
+        solver = edit_solver(templates["solver"], "train.prototxt", "test.prototxt", 1,
+                             argparse.Namespace(**{**vars(args), "test_interval": 10 ** 6,
+                                                   "snapshot": n, "display": 1}),
+                             "snap/mobilenet", max_iter=n)
+        solver = solver.replace("test_initialization: true", "test_initialization: false")
+        (folder / "solver.prototxt").write_text(solver)
+        cmd = caffepar_cmd() + ["train", "--solver", "solver.prototxt", "--threads",
+                                str(max(1, args.threads // ranks))]
+        if ranks > 1:
+            cmd += ["--np", str(ranks), "--parallel", "data"]
+        run_logged(cmd, folder / "train.log", folder, env)
+        weights = {(name_, i): np.asarray(v).reshape(shape) for name_, _t, blobs in
+                   read_caffemodel(folder / "snap" / f"mobilenet_iter_{n}.caffemodel").layers
+                   for i, (v, shape, _l) in enumerate(blobs)}
+        with open(folder / "snap" / "mobilenet_log.csv", newline="") as f:
+            losses = [float(r["loss"]) for r in csv.DictReader(f) if r.get("lr")]
+        runs[name] = (weights, losses)
+    (w1, l1), (w2, l2) = runs["one"], runs["np2"]
+    worst = max(float(np.max(np.abs(w1[k] - w2[k]) / (np.abs(w1[k]) + 1e-3))) for k in w1)
+    scale = max(float(np.max(np.abs(w1[k]))) for k in w1)
+    absolute = max(float(np.max(np.abs(w1[k] - w2[k]))) for k in w1)
+    res = {"iterations": n, "batch": args.batch, "blobs": len(w1),
+           "max_abs_weight_diff": absolute, "max_weight": scale,
+           "max_rel_weight_diff": worst, "losses_one": l1, "losses_np2": l2,
+           "max_loss_diff": float(np.max(np.abs(np.array(l1) - np.array(l2))))}
+    result.write_text(json.dumps(res, indent=1))
+    return res
+
+
+# ---------------------------------------------------------------- outputs
+def cpu_name():
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def write_results(args, runs, timing, parallel, out):
+    iters = sorted(set(runs["caffepar"]["maps"]) | set(runs["fork"]["maps"]))
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["iteration", "caffepar_map", "fork_map", "caffepar_loss", "fork_loss"])
+        for it in iters:
+            w.writerow([it] + [f"{runs[k]['maps'][it]:.6f}" if it in runs[k]["maps"] else ""
+                               for k in ("caffepar", "fork")] +
+                       [f"{runs[k]['losses'][it]:.6f}" if it in runs[k]["losses"] else ""
+                        for k in ("caffepar", "fork")])
+    final = {k: runs[k]["maps"].get(args.iterations) for k in runs}
+    ratios = [f / c for f, c in zip(timing["fork"], timing["caffepar"])]
+
+    def cell(v):
+        return "" if v is None else f"{v:.4f}"
+
+    lines = [
+        "# Fine-tuning MobileNet-SSD: caffepar beside the SSD fork of Caffe",
+        "",
+        f"`python scripts/train_ssd.py --mobilenet-ssd DIR --caffe PATH/caffe --size {args.size} "
+        f"--batch {args.batch} --base-lr {args.base_lr:g} --iterations {args.iterations}` on "
+        f"{cpu_name()} ({os.cpu_count()} cores). DIR: chuanqi305/MobileNet-SSD; PATH/caffe: "
+        "weiliu89/caffe `ssd` built CPU_ONLY (tests/fixtures/ssd/README.md).",
+        "",
+        f"- Data: `scripts/make_shapes_voc.py` ({args.train_images} training and "
+        f"{args.test_images} test images, five shape classes on gradients, stripes, noise and "
+        "clutter, 160-280 px), converted with `caffepar data annoset` (JPEG records); the fork "
+        "reads the same LMDBs.",
+        "- Net and solver: MobileNet-SSD's MobileNetSSD_train/test_template.prototxt and "
+        f"solver_train.prototxt with num_classes {CLASSES} (as its gen_model.sh), and, for a "
+        f"shared 2-core machine, input {args.size}x{args.size} instead of 300x300 (PriorBox "
+        f"min/max sizes scaled by {args.size}/300), train batch {args.batch}, test batch 8, "
+        f"{args.iterations} iterations. There are no published weights to start from (the "
+        "caffemodel is not in the repository): both programs train from their fillers, at "
+        f"base_lr {args.base_lr:g} instead of the published fine-tuning rate 0.0005, "
+        "RMSProp, the published weight decay and lr_mult (0.1 on the backbone) and all the "
+        "published augmentations (distortion, expansion, the six samplers, five "
+        "interpolations, mirror).",
+        f"- Test: mAP (ap_version 11point) on the {args.test_images} held-out images every "
+        f"{args.test_interval} iterations, as each solver reports it (\"Test net output #0: "
+        "detection_eval\"). The two runs trained side by side, one thread each.",
+        "",
+        "| iteration | caffepar mAP | fork mAP |",
+        "|---|---|---|",
+    ]
+    for it in iters:
+        lines.append(f"| {it} | {cell(runs['caffepar']['maps'].get(it))} | "
+                     f"{cell(runs['fork']['maps'].get(it))} |")
+    lines += [
+        "",
+        "The two curves are two trainings from different random starts and different random "
+        "augmentations (caffepar's fillers and data seeds are not Caffe's), so they agree "
+        "within the spread of such runs, not number for number; the layers themselves are "
+        "checked against the fork number for number in tests/test_ssd_fork_fixtures.py.",
+        "",
+        f"## Time per iteration ({args.rounds} alternating rounds of {args.time_iterations} "
+        f"iterations, each program alone with {args.threads} threads)",
+        "",
+        "| round | fork (s) | caffepar (s) | fork / caffepar |",
+        "|---|---|---|---|",
+    ]
+    for r, (f, c) in enumerate(zip(timing["fork"], timing["caffepar"])):
+        lines.append(f"| {r} | {f:.3f} | {c:.3f} | {f / c:.2f}x |")
+    lines += [
+        f"| median | {np.median(timing['fork']):.3f} | {np.median(timing['caffepar']):.3f} | "
+        f"{np.median(ratios):.2f}x |",
+        "",
+        "Each round's value is the median over its display intervals after the first (which "
+        "holds start-up), from the logs' timestamps. The machine is shared: its load average "
+        f"was {timing['load']:.1f} at the end of the timing; the ratios come from runs "
+        "alternated within minutes. caffepar's data layer augments in one background thread; "
+        "the fork's also JPEG-encodes each record three times (after distortion, expansion "
+        "and the crop). PyTorch: not measured, as no PyTorch MultiBoxLoss with the fork's "
+        "matching and mining exists to time beside it.",
+        "",
+        f"## P = 2 against one process ({parallel['iterations']} iterations)",
+        "",
+        f"`caffepar train --np 2 --parallel data` at batch {parallel['batch'] // 2} per rank "
+        f"against one process at batch {parallel['batch']}, from the same start, with the "
+        "augmentations on (each record's random choices follow the record), BatchNorm's "
+        "statistics and MultiBoxLoss's normalizer over the whole batch:",
+        "",
+        f"- largest weight difference: {parallel['max_abs_weight_diff']:.3g} (weights up to "
+        f"{parallel['max_weight']:.3g}; {parallel['blobs']} blobs)",
+        f"- largest per-iteration loss difference: {parallel['max_loss_diff']:.3g} (losses "
+        f"{min(parallel['losses_one']):.3g} to {max(parallel['losses_one']):.3g})",
+        "",
+    ]
+    out.with_suffix(".md").write_text("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no figure", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for k, style in (("caffepar", "-o"), ("fork", "--s")):
+        m = runs[k]["maps"]
+        axes[0].plot(sorted(m), [m[i] for i in sorted(m)], style, label=k, ms=3)
+        loss = runs[k]["losses"]
+        axes[1].plot(sorted(loss), [loss[i] for i in sorted(loss)], style[:-1], label=k, lw=1)
+    axes[0].set(xlabel="iteration", ylabel=f"mAP (11point), {args.test_images} test images",
+                title="MobileNet-SSD on shapes: test mAP")
+    axes[1].set(xlabel="iteration", ylabel="training loss (average_loss 10)",
+                title="MultiBoxLoss")
+    for ax in axes:
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mobilenet-ssd", required=True, type=Path,
+                    help="a checkout of chuanqi305/MobileNet-SSD")
+    ap.add_argument("--caffe", required=True, type=Path,
+                    help="the SSD fork's caffe tool (build/tools/caffe)")
+    ap.add_argument("--work", type=Path,
+                    default=Path(os.environ.get("CAFFEPAR_CACHE_DIR",
+                                                Path.home() / ".cache" / "caffepar")) / "ssd")
+    ap.add_argument("--size", type=int, default=96)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--base-lr", type=float, default=0.002)
+    ap.add_argument("--iterations", type=int, default=1500)
+    ap.add_argument("--test-interval", type=int, default=150)
+    ap.add_argument("--snapshot", type=int, default=150)
+    ap.add_argument("--display", type=int, default=10)
+    ap.add_argument("--train-images", type=int, default=3000)
+    ap.add_argument("--test-images", type=int, default=500)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--seed", type=int, default=1701)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--time-iterations", type=int, default=30)
+    ap.add_argument("--parallel-iterations", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "ssd_finetune")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated steps not to run: fork, caffepar, timing, parallel")
+    args = ap.parse_args(argv)
+    args.skip = set(filter(None, args.skip.split(",")))
+    work = args.work.resolve()
+    data = work / "data"
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(args.threads),
+               OMP_NUM_THREADS=str(args.threads))
+    templates = {
+        "train": (args.mobilenet_ssd / "template" / "MobileNetSSD_train_template.prototxt")
+        .read_text(),
+        "test": (args.mobilenet_ssd / "template" / "MobileNetSSD_test_template.prototxt")
+        .read_text(),
+        "solver": (args.mobilenet_ssd / "solver_train.prototxt").read_text()}
+
+    # 1. data
+    if not (data / "done").exists():
+        from make_shapes_voc import make_dataset
+        from caffepar.data.annoset import convert_annoset
+        shutil.rmtree(data, ignore_errors=True)
+        make_dataset(str(data / "voc"), args.train_images, args.test_images, seed=1)
+        for split in ("trainval", "test"):
+            convert_annoset(str(data / "voc"), str(data / "voc" / f"{split}.txt"),
+                            str(data / f"{split}_lmdb"),
+                            label_map_file=str(data / "voc" / "labelmap.prototxt"),
+                            encode_type="jpg", name_size_file=str(data / f"{split}_name_size.txt"),
+                            shuffle=split == "trainval", seed=1)
+        (data / "done").write_text("")
+
+    # 2-3. the two trainings, side by side
+    for kind in ("fork", "caffepar"):
+        folder = work / kind
+        (folder / "snap").mkdir(parents=True, exist_ok=True)
+        write_nets(folder, data, args, templates, args.batch)
+        (folder / "solver.prototxt").write_text(edit_solver(
+            templates["solver"], "train.prototxt", "test.prototxt",
+            -(-args.test_images // 8), args, "snap/mobilenet"))
+    logs = train_side_by_side(work, args)
+    runs = {}
+    for kind in ("fork", "caffepar"):
+        losses, maps, _ = parse_log(logs[kind])
+        runs[kind] = {"losses": losses, "maps": maps}
+        print(f"{kind}: mAP {maps}", flush=True)
+
+    # 4. time per iteration, 5. P = 2
+    timing = time_rounds(work, data, args, templates) if "timing" not in args.skip \
+        else json.loads((work / "timing" / "result.json").read_text())
+    parallel = parallel_check(work, data, args, env, templates) if "parallel" not in args.skip \
+        else json.loads((work / "parallel" / "result.json").read_text())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_results(args, runs, timing, parallel, args.out)
+    print(f"wrote {args.out}.{{csv,md,png}}")
+
+
+if __name__ == "__main__":
+    main()
