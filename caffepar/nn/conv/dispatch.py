@@ -7,13 +7,15 @@ import numpy as np
 
 from caffepar.nn import calibrate, native
 from caffepar.nn.blas import blas_threads
-from caffepar.nn.conv import band, cols, direct, grid, pointwise, winograd
-from caffepar.nn.conv.epilogue import apply_epilogue
+from caffepar.nn.conv import band, cols, depthwise, direct, grid, pointwise, winograd
+from caffepar.nn.conv.epilogue import EpilogueArgs, apply_epilogue, prepare_epilogue
 from caffepar.nn.conv.geometry import bias_diff, expand, flipped_geom, flipped_weights, geom
 from caffepar.nn.neuron import relu_backward, relu_forward
 
-def rule_engine(g, cg, og, group):
+def rule_engine(g, cg, og, group, dt=np.dtype(np.float32)):
     """The engine fixed thresholds give a shape (without measuring)."""
+    if depthwise.usable(g, cg, group, dt):
+        return "depthwise"
     if winograd.usable(g, cg, og):
         return "winograd"
     if pointwise.usable(g):
@@ -27,7 +29,8 @@ def candidates(g, cg, group, dt):
     """The engines able to run a shape, as each engine's `applicable` declares (grid takes any):
     the measured choice times only these, so an engine that cannot take a geometry (a kernel
     larger than the input, a stride, dilation or group it lacks) is never tried."""
-    found = [name for name, able in (("direct", direct.applicable(g, dt)),
+    found = [name for name, able in (("depthwise", depthwise.applicable(g, cg, group, dt)),
+                                     ("direct", direct.applicable(g, dt)),
                                      ("winograd", winograd.applicable(g)),
                                      ("pointwise", pointwise.applicable(g)),
                                      ("band", band.applicable(g, group)),
@@ -49,10 +52,10 @@ def _engine(g, cg, og, group, n, dt, passes="forward"):
     if mode in able:
         return mode
     if mode != "measure" or n == 0:
-        return rule_engine(g, cg, og, group)
+        return rule_engine(g, cg, og, group, dt)
     key = _choice_key(g, cg, og, group, n, dt, passes, blas_threads())
     if calibrate.measuring():       # a pass run inside the one being timed: as it will run
-        return calibrate.cached(key, able) or rule_engine(g, cg, og, group)
+        return calibrate.cached(key, able) or rule_engine(g, cg, og, group, dt)
     return calibrate.choose(key, able, lambda: _timing_run(shape, n, dt, passes), key)
 
 
@@ -119,9 +122,9 @@ def conv_engines(in_spatial, w_shape, stride, pad, dilation, group, batch=None,
     the convolution's dx, its backward the dw (and, for its dx, the forward)."""
     g = geom(in_spatial, w_shape[2:], stride, pad, dilation)
     cg, og = w_shape[1], w_shape[0] // group
-    if batch is None:
-        return {"forward": (rule_engine(g, cg, og, group), None)}
     dt = np.dtype(dtype)
+    if batch is None:
+        return {"forward": (rule_engine(g, cg, og, group, dt), None)}
 
     def looked_up(passes):
         return calibrate.with_entry(lambda: _engine(g, cg, og, group, batch, dt, passes))
@@ -213,11 +216,12 @@ def conv_forward(x, w, b, stride, pad, dilation, group, out=None, relu=None, aft
     w = w.astype(dt, copy=False)
     y, final = _target(out, (n, o) + g.out, dt, "conv_forward")
     bias = None if b is None else np.asarray(b, dt).reshape(o)
-    if n and not _conv_forward_into(g, x, w, bias, y, group, dt, relu, after) \
-            and relu is not None:
-        relu_forward(y, y, relu)
-    if epilogue is not None:
-        apply_epilogue(y, epilogue)
+    if n:
+        taken = _conv_forward_into(g, x, w, bias, y, group, dt, relu, after, epilogue)
+        if relu is not None and not taken:
+            relu_forward(y, y, relu)
+        if epilogue is not None and not taken:
+            apply_epilogue(y, epilogue)
     y = _deliver(y, final)
     if after is not None and not after.ran:
         after.run()
@@ -230,18 +234,57 @@ def prepare_conv_forward(x, w, stride, pad, dilation, group, y, epilogue=None):
     plan), with whatever x, w and the epilogue's arrays hold at the time of each call. The
     arrays are bound by identity: the caller keeps them (and their shapes) while it uses the
     call."""
+    x, w = np.asarray(x), np.asarray(w)
+    _check(x, w, group, "prepare_conv_forward")
+    n, c = x.shape[:2]
+    o, cg = w.shape[:2]
+    dt = _dtype(x, w)
+    g = geom(x.shape[2:], w.shape[2:], stride, pad, dilation)
+    if (c != cg * group or y.shape != (n, o) + g.out or y.dtype != dt or x.dtype != dt
+            or w.dtype != dt or not (y.flags.c_contiguous and x.flags.c_contiguous)):
+        def run():
+            conv_forward(x, w, None, stride, pad, dilation, group, out=y, epilogue=epilogue)
+        return run
+    if n == 0:
+        return lambda: None
+    engine = _engine(g, cg, o // group, group, n, dt)
+    if engine == "depthwise" and w.flags.c_contiguous:
+        epi = EpilogueArgs(epilogue, o, dt)
+        call = depthwise.forward_call(g, x, w, y, group, dt, epi)
+        if epi.refresh is None:
+            return call
+
+        def run():
+            epi.refresh()
+            call()
+        return run
+    finish = None
+    if epilogue is not None and not epilogue.is_identity:
+        finish = prepare_epilogue(y, EpilogueArgs(epilogue, o, dt)) \
+            if native.kernels(dt) is not None else (lambda: apply_epilogue(y, epilogue))
+
     def run():
-        conv_forward(x, w, None, stride, pad, dilation, group, out=y, epilogue=epilogue)
+        _conv_forward_into(g, x, w, None, y, group, dt, engine=engine)
+        if finish is not None:
+            finish()
     return run
 
 
-def _conv_forward_into(g, x, w, bias, y, group, dt, relu=None, after=None):
-    """Whether the engine took the ReLU `relu` (a negative_slope) too (and the step `after`:
-    after.ran)."""
+def _conv_forward_into(g, x, w, bias, y, group, dt, relu=None, after=None, epilogue=None,
+                       engine=None):
+    """Whether the engine took the ReLU `relu` (a negative_slope) or the epilogue too (and the
+    step `after`: after.ran). `engine`: the one to run (default: the shape's choice)."""
     o, cg = w.shape[:2]
-    engine = _engine(g, cg, o // group, group, x.shape[0], dt)
-    if engine == "direct":
-        return direct.forward(g, x, w, bias, y, group, dt, relu, after)
+    if engine is None:
+        engine = _engine(g, cg, o // group, group, x.shape[0], dt)
+    if engine == "depthwise" and relu is None:
+        depthwise.forward(g, x, w, bias, y, group, dt, epilogue)
+        return True
+    if engine == "depthwise":
+        depthwise.forward(g, x, w, bias, y, group, dt)
+    elif engine == "direct":
+        taken = direct.forward(g, x, w, bias, y, group, dt, relu, after)
+        return taken and epilogue is None
     elif engine == "winograd":
         winograd.forward(x, w, bias, y, g.pad, group, dt)
     elif engine == "pointwise":
@@ -311,7 +354,7 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
             before.run()
         return None, None, None
     engine = _engine(g, cg, og, group, n, dt, calibrate.backward_pass(need_dx, need_dw))
-    whole = engine in ("winograd", "direct") and n > 0       # dx written in full
+    whole = engine in ("winograd", "direct", "depthwise") and n > 0   # dx written in full
     if before is not None and not (whole and engine == "direct" and direct.takes_dy_step(
             g, w, group, need_dw, dt, before, dy)):
         before.run()        # a pass of its own, before anything reads dy
@@ -328,6 +371,9 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
                                             dx_relu, before)
         if need_db and db is None:
             db = bias_diff(dy, dt)
+    elif whole and engine == "depthwise":
+        dw = depthwise.backward(g, dy, x, w, dx, group, need_dw, dt)
+        db = bias_diff(dy, dt) if need_db else None
     elif whole:
         dw = winograd.backward(dy, x, w, dx, g.pad, group, need_dw, dt)
         db = bias_diff(dy, dt) if need_db else None
