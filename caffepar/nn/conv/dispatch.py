@@ -2,6 +2,7 @@
 shape (``conv_engine``)."""
 import functools
 import threading
+import time
 
 import numpy as np
 
@@ -39,12 +40,14 @@ def candidates(g, cg, group, dt):
 
 
 _forced = threading.local()     # .shape, .passes, .engine: the engine being timed for a pass
+_looked = threading.local()     # .key: the measured choice the last lookup returned, or None
 
 
 def _engine(g, cg, og, group, n, dt, passes="forward"):
     """The engine a shape's pass runs on: a forced one, else the measured choice (calibrate)
     for that pass ("forward", or a calibrate.backward_pass), else the rule."""
     shape = (g.in_sp, g.kernel, g.stride, g.pad, g.dilation, cg, og, group)
+    _looked.key = None
     if getattr(_forced, "shape", None) == shape and _forced.passes == passes:
         return _forced.engine
     able = _candidates(g, cg, group, dt, native.mode())
@@ -56,7 +59,18 @@ def _engine(g, cg, og, group, n, dt, passes="forward"):
     key = _choice_key(g, cg, og, group, n, dt, passes, blas_threads())
     if calibrate.measuring():       # a pass run inside the one being timed: as it will run
         return calibrate.cached(key, able) or rule_engine(g, cg, og, group, dt)
-    return calibrate.choose(key, able, lambda: _timing_run(shape, n, dt, passes), key)
+    engine = calibrate.choose(key, able, lambda: _timing_run(shape, n, dt, passes), key)
+    _looked.key = key
+    return engine
+
+
+def _observed(key, start):
+    """The pass of the measured choice `key` (or None) that began at `start` has ended: told
+    to calibrate.observe, which may drop a choice far slower in use than measured. Returns
+    whether it did."""
+    if key is None or calibrate.measuring():
+        return False
+    return calibrate.observe(key, time.perf_counter() - start)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -217,7 +231,9 @@ def conv_forward(x, w, b, stride, pad, dilation, group, out=None, relu=None, aft
     y, final = _target(out, (n, o) + g.out, dt, "conv_forward")
     bias = None if b is None else np.asarray(b, dt).reshape(o)
     if n:
+        start = time.perf_counter()
         taken = _conv_forward_into(g, x, w, bias, y, group, dt, relu, after, epilogue)
+        _observed(getattr(_looked, "key", None), start)
         if relu is not None and not taken:
             relu_forward(y, y, relu)
         if epilogue is not None and not taken:
@@ -247,27 +263,53 @@ def prepare_conv_forward(x, w, stride, pad, dilation, group, y, epilogue=None):
         return run
     if n == 0:
         return lambda: None
-    engine = _engine(g, cg, o // group, group, n, dt)
-    if engine == "depthwise" and w.flags.c_contiguous:
-        epi = EpilogueArgs(epilogue, o, dt)
-        call = depthwise.forward_call(g, x, w, y, group, dt, epi)
-        if epi.refresh is None:
-            return call
+    return _Prepared(g, x, w, y, group, dt, epilogue)
+
+
+class _Prepared:
+    """prepare_conv_forward's call: the engine chosen once and its arguments bound; a pass
+    far slower than its engine measured (calibrate.observe) makes it choose again."""
+
+    def __init__(self, g, x, w, y, group, dt, epilogue):
+        self.bound = (g, x, w, y, group, dt, epilogue)
+        self._prepare()
+
+    def _prepare(self):
+        g, x, w, y, group, dt, epilogue = self.bound
+        o, cg = w.shape[:2]
+        engine = _engine(g, cg, o // group, group, x.shape[0], dt)
+        self.key = _looked.key
+        self.engine = engine
+        if engine == "depthwise" and w.flags.c_contiguous:
+            epi = EpilogueArgs(epilogue, o, dt)
+            call = depthwise.forward_call(g, x, w, y, group, dt, epi)
+            if epi.refresh is None:
+                self.run = call
+            else:
+                def run():
+                    epi.refresh()
+                    call()
+                self.run = run
+            return
+        finish = None
+        if epilogue is not None and not epilogue.is_identity:
+            finish = prepare_epilogue(y, EpilogueArgs(epilogue, o, dt)) \
+                if native.kernels(dt) is not None else (lambda: apply_epilogue(y, epilogue))
 
         def run():
-            epi.refresh()
-            call()
-        return run
-    finish = None
-    if epilogue is not None and not epilogue.is_identity:
-        finish = prepare_epilogue(y, EpilogueArgs(epilogue, o, dt)) \
-            if native.kernels(dt) is not None else (lambda: apply_epilogue(y, epilogue))
+            _conv_forward_into(g, x, w, None, y, group, dt, engine=engine)
+            if finish is not None:
+                finish()
+        self.run = run
 
-    def run():
-        _conv_forward_into(g, x, w, None, y, group, dt, engine=engine)
-        if finish is not None:
-            finish()
-    return run
+    def __call__(self):
+        if self.key is None:
+            self.run()
+            return
+        start = time.perf_counter()
+        self.run()
+        if _observed(self.key, start):
+            self._prepare()
 
 
 def _conv_forward_into(g, x, w, bias, y, group, dt, relu=None, after=None, epilogue=None,
@@ -353,7 +395,9 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
         if before is not None:
             before.run()
         return None, None, None
+    start = time.perf_counter()
     engine = _engine(g, cg, og, group, n, dt, calibrate.backward_pass(need_dx, need_dw))
+    key = _looked.key
     whole = engine in ("winograd", "direct", "depthwise") and n > 0   # dx written in full
     if before is not None and not (whole and engine == "direct" and direct.takes_dy_step(
             g, w, group, need_dw, dt, before, dy)):
@@ -390,6 +434,7 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
             dw = grid.backward(g, dy, x, w, dx, group, need_dw, dt)
     if dx_relu is not None and not relu_done:
         relu_backward(dx_relu[0], dx, dx, dx_relu[1])
+    _observed(key, start)
     return (None if dx is None else _deliver(dx, final)), dw, db
 
 
