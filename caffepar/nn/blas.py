@@ -206,6 +206,33 @@ def gemm_views(a, b, c, trans_a=False, trans_b=False, beta=0.0):
        ctypes.c_void_p(c.ctypes.data), ctypes.byref(ci(ldc)))
 
 
+def prepare_gemm(a, b, c, trans_a=False, trans_b=False, beta=0.0):
+    """A call with no arguments running gemm_views(a, b, c, ...) on whatever the arrays hold
+    then, its BLAS arguments built once (a prepared forward runs the same GEMM every pass;
+    building them took several microseconds a call)."""
+    m, n = c.shape
+    am, k = a.shape[::-1] if trans_a else a.shape
+    kb, bn = b.shape[::-1] if trans_b else b.shape
+    entry = _BLAS.get(c.dtype)
+    lda, ldb, ldc = _ld(a), _ld(b), _ld(c)
+    if ((am, bn, kb) != (m, n, k) or not (m and n and k) or entry is None
+            or not (lda and ldb and ldc) or a.dtype != c.dtype or b.dtype != c.dtype):
+        return lambda: gemm_views(a, b, c, trans_a, trans_b, beta)
+    fn, scalar, ci = entry
+    args = (_TRANS[trans_b], _TRANS[trans_a], ctypes.byref(ci(n)), ctypes.byref(ci(m)),
+            ctypes.byref(ci(k)), ctypes.byref(scalar(1.0)), ctypes.c_void_p(b.ctypes.data),
+            ctypes.byref(ci(ldb)), ctypes.c_void_p(a.ctypes.data), ctypes.byref(ci(lda)),
+            ctypes.byref(scalar(beta)), ctypes.c_void_p(c.ctypes.data), ctypes.byref(ci(ldc)))
+    big = m * n * k >= SPLIT_MIN_MACS
+
+    def run(a=a, b=b, c=c):     # (keeps the arrays whose addresses it passes)
+        if big and cores_contended():
+            gemm_views(a, b, c, trans_a, trans_b, beta)
+        else:
+            fn(*args)
+    return run
+
+
 def _gemm_parts(a, b, c, trans_a, trans_b, beta):
     """gemm_views cut along the longer side of c into parts of at least 64 rows or columns,
     run by `run_parts`; False (nothing done) when it would not make two parts."""

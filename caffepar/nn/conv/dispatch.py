@@ -295,11 +295,18 @@ class _Prepared:
         if epilogue is not None and not epilogue.is_identity:
             finish = prepare_epilogue(y, EpilogueArgs(epilogue, o, dt)) \
                 if native.kernels(dt) is not None else (lambda: apply_epilogue(y, epilogue))
+        if engine == "pointwise":
+            conv = pointwise.prepare_forward(g, x, w, y, group)
+        else:
+            def conv():
+                _conv_forward_into(g, x, w, None, y, group, dt, engine=engine)
+        if finish is None:
+            self.run = conv
+            return
 
         def run():
-            _conv_forward_into(g, x, w, None, y, group, dt, engine=engine)
-            if finish is not None:
-                finish()
+            conv()
+            finish()
         self.run = run
 
     def __call__(self):
@@ -330,7 +337,7 @@ def _conv_forward_into(g, x, w, bias, y, group, dt, relu=None, after=None, epilo
     elif engine == "winograd":
         winograd.forward(x, w, bias, y, g.pad, group, dt)
     elif engine == "pointwise":
-        pointwise.forward(x, w, y, group)
+        pointwise.forward(x, w, y, group, g)
         if bias is not None:
             y += bias.reshape(_bias_shape(g.nd))
     elif engine == "band":
@@ -429,7 +436,7 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
         if n == 0:
             dw = np.zeros(w.shape, dt) if need_dw else None
         elif engine == "pointwise" and (need_dx or need_dw):
-            dw = pointwise.backward(np.ascontiguousarray(dy), x, w, dx, group, need_dw)
+            dw = pointwise.backward(np.ascontiguousarray(dy), x, w, dx, group, need_dw, g)
         elif need_dx or need_dw:
             dw = grid.backward(g, dy, x, w, dx, group, need_dw, dt)
     if dx_relu is not None and not relu_done:
