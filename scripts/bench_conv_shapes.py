@@ -195,7 +195,8 @@ def main():
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: the calling thread's CPU time, with --threads 1: what each "
                          "run computes, whatever other load shares the cores")
-    ap.add_argument("--only", default="", help="nets whose file name contains this")
+    ap.add_argument("--only", nargs="*", default=[],
+                    help="nets whose file name contains one of these")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / f"conv_shapes_{cpu_key()}")
     ap.add_argument("--fresh", action="store_true", help="measure rows already in the CSV again")
     args = ap.parse_args()
@@ -206,7 +207,7 @@ def main():
     set_blas_threads(args.threads)
     shapes = {}
     for path in sorted(args.nets_dir.glob("*.prototxt")):
-        if args.only and args.only not in path.name:
+        if args.only and not any(part in path.name for part in args.only):
             continue
         try:
             found = net_shapes(path)
@@ -265,8 +266,8 @@ def write(args, rows):
              + ("wall-clock" if args.clock == "wall" else "the calling thread's CPU time")
              + f". Command: `python scripts/bench_conv_shapes.py --nets-dir DIR --batch "
              f"{' '.join(map(str, args.batch))} --rounds {args.rounds} --threads "
-             f"{args.threads} --clock {args.clock}`" + (f" --only {args.only}" if args.only
-                                                        else "") + ".",
+             f"{args.threads} --clock {args.clock}`" + (f" --only {' '.join(args.only)}"
+                                                        if args.only else "") + ".",
              "",
              "Each time is the fastest median of alternating rounds; caffepar's is a prepared "
              "forward with the epilogue (scale, shift, activation), onnxruntime's a one-node "

@@ -23,8 +23,8 @@ No pathological engine: a busy machine (other processes on the cores) once made 
 measurement keep a path 100x slower than the best for good (MobileNet v2's conv2_1/expand:
 90-228 ms in use against 0.8 ms on the right engine). So each timing run reads how long the
 process's threads waited for a core meanwhile (the kernel's schedstat); a run that waited
-DISTURBED of its time or more is run again (RETRIES), and a choice some of whose timings stayed
-disturbed is provisional: kept in memory, not in the cache file, and measured again once the
+DISTURBED of its time or more is run again (RETRIES; not while the cores stay contended, when
+runs again would fare alike), and a choice some of whose timings stayed disturbed is provisional: kept in memory, not in the cache file, and measured again once the
 cores are quiet (at most REMEASURES times). A choice in use is also watched (``observe``): a
 pass that takes STRAY times what its engine measured, STRAY_RUNS times in a row on cores that
 are not contended, is measured again.
@@ -376,7 +376,7 @@ def _timed(run, engine):
             _disturbed.count = getattr(_disturbed, "count", 0) + 1
         return time.perf_counter() - t0
     best = None
-    for _ in range(RETRIES + 1):
+    for attempt in range(RETRIES + 1):
         w0 = _waited()
         t0 = time.perf_counter()
         run(engine)
@@ -385,5 +385,7 @@ def _timed(run, engine):
         best = wall if best is None else min(best, wall)
         if w0 is None or w1 is None or w1 - w0 < DISTURBED * wall:
             return best
+        if attempt == 0 and cores_contended():
+            break       # a lasting load, not a spell: runs again would be disturbed alike
     _disturbed.count = getattr(_disturbed, "count", 0) + 1
     return best
