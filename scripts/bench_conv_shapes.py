@@ -86,6 +86,7 @@ def layer_after(layers, i, top):
 
 def caffepar_call(key, batch, rng):
     from caffepar.nn import conv as cm
+    from caffepar.nn.conv import geometry
     from caffepar.nn.conv.epilogue import Epilogue
     c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, group, act = key
     x = rng.standard_normal((batch, c, h, w), dtype=np.float32)
@@ -97,7 +98,10 @@ def caffepar_call(key, batch, rng):
                   act=None if act == "none" else act, lo=0.0, hi=6.0)
     run = cm.prepare_conv_forward(x, wt, (sh, sw), (ph, pw), (dh, dw), group, y, ep)
     run()
-    return run, getattr(run, "engine", "?"), (x, wt, ep, y)
+    from caffepar.nn.conv import dispatch
+    engine = dispatch._engine(geometry.geom((h, w), (kh, kw), (sh, sw), (ph, pw), (dh, dw)),
+                              c // group, o // group, group, batch, np.dtype(np.float32))
+    return run, engine, (x, wt, ep, y)
 
 
 def ort_call(key, batch, rng, threads):

@@ -237,6 +237,12 @@ def _remeasure_now(key):
 _watch = {}     # key -> [measured seconds of the chosen engine, strays in a row, re-measures]
 
 
+def watched_seconds(key):
+    """What the choice `key` measured (its engine's seconds), or 0 when it is not watched."""
+    watch = _watch.get(key)
+    return watch[0] if watch else 0.0
+
+
 def observe(key, seconds):
     """A pass of the shape `key` took `seconds` in use: after STRAY_RUNS passes in a row
     STRAY times slower than its engine measured, on cores not contended, its choice is dropped

@@ -98,7 +98,11 @@ class Call:
         self.items, self.macs = items, macs
 
     def __call__(self):
-        threads = min(blas_threads(), self.items, max(1, self.macs // THREAD_MIN_MACS))
+        if self.macs < 2 * THREAD_MIN_MACS:
+            if self.fn(self.address, None) < 0:
+                raise MemoryError("depthwise convolution: no memory for a work buffer")
+            return
+        threads = min(blas_threads(), self.items, self.macs // THREAD_MIN_MACS)
         if threads <= 1:
             result = [self.fn(self.address, None)]
         else:
