@@ -40,9 +40,15 @@ GW = {name: i for i, name in enumerate(
     "x dy dw n cin hi wi groups cg og kh kw sh sw dh dw ph pw ho wo cout".split())}
 
 
+#: Strides up to this: dx runs on dy spread over the stride grid, stride^2 the work (an FCN's
+#: stride-32 upsampling Deconvolution, a dx pass, would do 1024x its multiply-adds).
+MAX_STRIDE = 2
+
+
 def applicable(g, cg, group, dt):
-    """2-D grouped layers (group > 1) on the compiled kernels."""
-    return g.nd == 2 and group > 1 and native.kernels(dt) is not None
+    """2-D grouped layers (group > 1) of strides up to MAX_STRIDE, on the compiled kernels."""
+    return (g.nd == 2 and group > 1 and max(g.stride) <= MAX_STRIDE
+            and native.kernels(dt) is not None)
 
 
 def usable(g, cg, group, dt):
