@@ -222,6 +222,12 @@ def main():
             entry = shapes.setdefault(key, {"nets": set(), "layers": []})
             entry["nets"].add(path.stem)
             entry["layers"].append(f"{path.stem}:{layer}")
+    per_net = {}        # shape name -> {net: layers of that shape}
+    for key, entry in shapes.items():
+        counts = per_net.setdefault(shape_name(key), {})
+        for layer in entry["layers"]:
+            net = layer.split(":", 1)[0]
+            counts[net] = counts.get(net, 0) + 1
     print(f"{len(shapes)} distinct convolution shapes in {args.nets_dir}", flush=True)
     done = {} if args.fresh else read_done(args.out.with_suffix(".csv"))
     rows = []
@@ -255,11 +261,11 @@ def main():
             print(f"b{batch} {name:<40} {engine:<10} caffepar {row['caffepar_us']:>9.1f} us  "
                   f"ort {row['ort_us']:>9.1f} us (fixed {row['ort_fixed_us']:.1f})  "
                   f"x{row['ratio']:.2f}", flush=True)
-            write(args, rows)
-    write(args, rows)
+            write(args, rows, per_net)
+    write(args, rows, per_net)
 
 
-def write(args, rows):
+def write(args, rows, per_net):
     from caffepar.nn.blas import blas_threads
     if not rows:
         return
@@ -269,9 +275,10 @@ def write(args, rows):
              f"{blas_threads()}); times are "
              + ("wall-clock" if args.clock == "wall" else "the calling thread's CPU time")
              + f". Command: `python scripts/bench_conv_shapes.py --nets-dir DIR --batch "
-             f"{' '.join(map(str, args.batch))} --rounds {args.rounds} --threads "
-             f"{args.threads} --clock {args.clock}`" + (f" --only {' '.join(args.only)}"
-                                                        if args.only else "") + ".",
+             f"{' '.join(map(str, args.batch))} --rounds {args.rounds} --budget {args.budget} "
+             f"--threads {args.threads} --clock {args.clock}"
+             + (f" --only {' '.join(args.only)}" if args.only else "") + "` (DIR: the "
+             "published deploy prototxts, fetched outside the repository).",
              "",
              "Each time is the fastest median of alternating rounds; caffepar's is a prepared "
              "forward with the epilogue (scale, shift, activation), onnxruntime's a one-node "
@@ -287,6 +294,16 @@ def write(args, rows):
                   f"All layers of all nets (each shape times its layer count): caffepar "
                   f"{ours / 1e3:.1f} ms, onnxruntime {theirs / 1e3:.1f} ms "
                   f"(x{ours / max(theirs, 1e-9):.2f}).", "",
+                  "| net | convolutions | caffepar ms | onnxruntime ms | ratio |",
+                  "|---|---|---|---|---|"]
+        nets = sorted({n for r in sel for n in per_net.get(r["shape"], {})})
+        for net in nets:
+            mine = [(r, per_net[r["shape"]][net]) for r in sel if net in per_net[r["shape"]]]
+            a = sum(float(r["caffepar_us"]) * k for r, k in mine)
+            b = sum((float(r["ort_us"]) - float(r["ort_fixed_us"])) * k for r, k in mine)
+            lines.append(f"| {net} | {sum(k for _, k in mine)} | {a / 1e3:.2f} | "
+                         f"{b / 1e3:.2f} | {a / max(b, 1e-9):.2f} |")
+        lines += ["",
                   "| shape | layers | MMACs | engine | caffepar us | onnxruntime us | fixed us "
                   "| ratio | nets |", "|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(sel, key=lambda r: -float(r["caffepar_us"]) * int(r["layers"])):
