@@ -341,3 +341,14 @@ def test_choice_far_slower_in_use_is_measured_again(cache, monkeypatch):
     assert [calibrate.observe("shape", slow) for _ in range(calibrate.STRAY_RUNS)][-1]
     assert calibrate.choose("shape", ["direct", "grid"], timing, "test") == "direct"
     assert len(runs) > made
+
+
+def test_disturbed_choice_keeps_the_rules_engine_unless_clearly_beaten(cache, monkeypatch):
+    """Every run disturbed: a measured winner less than FALLBACK_MARGIN times faster than the
+    rules' engine does not replace it; one far faster does."""
+    timing, runs, _ = _loaded_runs(monkeypatch, lambda e, n: True)
+    # grid (the fallback) 20 ms + 30 ms disturbed, direct 2 ms + 30: direct 1.5x faster only
+    assert calibrate.choose("a", ["direct", "grid"], timing, "test", fallback="grid") == "grid"
+    timing, runs, _ = _loaded_runs(monkeypatch, lambda e, n: e == "grid")
+    assert calibrate.choose("b", ["direct", "grid"], timing, "test",
+                            fallback="grid") == "direct"

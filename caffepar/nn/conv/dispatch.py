@@ -62,7 +62,8 @@ def _engine(g, cg, og, group, n, dt, passes="forward"):
     key = _choice_key(g, cg, og, group, n, dt, passes, blas_threads())
     if calibrate.measuring():       # a pass run inside the one being timed: as it will run
         return calibrate.cached(key, able) or rule_engine(g, cg, og, group, dt)
-    engine = calibrate.choose(key, able, lambda: _timing_run(shape, n, dt, passes), key)
+    engine = calibrate.choose(key, able, lambda: _timing_run(shape, n, dt, passes), key,
+                              rule_engine(g, cg, og, group, dt))
     _looked.key = key
     return engine
 
