@@ -105,9 +105,7 @@ def caffepar_call(key, batch, rng):
 
 
 def ort_call(key, batch, rng, threads):
-    import onnx
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
     c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, group, act = key
     wt = (rng.standard_normal((o, c // group, kh, kw)) * 0.1).astype(np.float32)
     b = rng.standard_normal(o).astype(np.float32)
@@ -133,7 +131,6 @@ def ort_fixed(threads):
 
 
 def _session(nodes, inits, x, threads):
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
     graph = helper.make_graph(nodes, "g",
@@ -269,7 +266,7 @@ def write(args, rows, per_net):
     from caffepar.nn.blas import blas_threads
     if not rows:
         return
-    lines = [f"# Convolution shapes of published nets: caffepar vs onnxruntime",
+    lines = ["# Convolution shapes of published nets: caffepar vs onnxruntime",
              "",
              f"CPU: {cpu_name()}; {args.threads} threads each (caffepar's BLAS threads: "
              f"{blas_threads()}); times are "
