@@ -4,13 +4,25 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo time test proto bench clean
+.PHONY: demo time test cluster-test proto bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+## A second venv for the cluster tests: mpi4py built from source against the machine's Open MPI
+## (Debian: apt-get install openmpi-bin libopenmpi-dev), caffepar's other dependencies, no mpich.
+OMPI_VENV := .venv-openmpi
+$(OMPI_VENV)/.installed: pyproject.toml | $(STAMP)
+	test -x $(OMPI_VENV)/bin/python || $(PYTHON) -m venv $(OMPI_VENV)
+	$(OMPI_VENV)/bin/python -m pip install --quiet --upgrade pip
+	MPICC=mpicc $(OMPI_VENV)/bin/python -m pip install --quiet --no-cache-dir --no-binary mpi4py 'mpi4py>=4.0'
+	$(PY) -c "import tomllib; print('\n'.join(d for d in tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'] if not d.startswith(('mpich', 'mpi4py'))))" > $(OMPI_VENV)/requirements.txt
+	$(OMPI_VENV)/bin/python -m pip install --quiet -r $(OMPI_VENV)/requirements.txt pytest
+	$(OMPI_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	touch $@
 
 SAMPLE := data/cifar10_sample
 
@@ -35,6 +47,10 @@ time: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+## The cluster group (Slurm and Open MPI on the network lab; root): installs what it needs.
+cluster-test:
+	bash scripts/cluster_tests.sh
+
 ## Regenerate caffepar/proto/caffe_pb2.py from proto/caffe.proto.
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=caffepar/proto proto/caffe.proto
@@ -43,4 +59,4 @@ bench: $(STAMP)
 	$(PY) scripts/bench_layers.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(OMPI_VENV) build *.egg-info

@@ -136,7 +136,9 @@ def _comm_flags(ranks, flags):
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
-@click.version_option(package_name="caffepar")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True,
+              callback=lambda ctx, param, value: _print_version(ctx) if value else None,
+              help="Show the version and the MPI library in use, and exit.")
 @click.pass_context
 def cli(ctx, debug):
     """caffepar: train, test and time Caffe models on the CPU."""
@@ -145,6 +147,19 @@ def cli(ctx, debug):
     if ctx.invoked_subcommand != "train":       # train's solver and launcher take them over
         _signals.release()
     ctx.obj.setdefault("argv", [])
+
+
+def _print_version(ctx):
+    """caffepar's version and the MPI library mpi4py runs on (the one ranks would use)."""
+    from importlib.metadata import PackageNotFoundError, version
+    from caffepar.parallel.mpilib import describe
+    try:
+        mine = version("caffepar")
+    except PackageNotFoundError:
+        mine = "unknown"
+    click.echo(f"caffepar, version {mine}")
+    click.echo(describe())
+    ctx.exit()
 
 
 WATCHDOG_OPTION = click.option(
@@ -593,6 +608,8 @@ def calibrate_cmd(ctx, ranks, transport, output, max_mb, repeats, mpiexec):
                             "(--np P, or mpiexec -n P)")
     ctx.obj["comm"] = comm
     say = click.echo if comm.rank == 0 else (lambda *a, **k: None)
+    from caffepar.parallel.mpilib import describe
+    say(f"{describe()}; launched by {_launcher_name()}")
     say(f"Calibrating {comm.size} ranks over {transport}: "
         f"{', '.join(('allreduce', 'allgather', 'reduce_scatter', 'alltoall', 'bcast'))}, "
         f"4 B to {max_mb:g} MiB, median of {repeats}")
@@ -606,9 +623,20 @@ def calibrate_cmd(ctx, ranks, transport, output, max_mb, repeats, mpiexec):
             f"{100 * fit_error(model, comm.size):.0f}%")
         if previous is not None:
             model = previous.merged(model)
+        model.info[f"P{comm.size}"]["mpi"] = describe()
         model.source = os.path.basename(output)
         model.save(output)
         say(f"wrote {output} (fits at P={', '.join(map(str, sorted(model.fits)))})")
+
+
+def _launcher_name():
+    """What started this rank: Slurm's srun (and its PMI plugin), or an mpiexec."""
+    if os.environ.get("SLURM_STEP_ID") and os.environ.get("SLURM_MPI_TYPE") and \
+            "MPI_LOCALNRANKS" not in os.environ and "OMPI_COMM_WORLD_SIZE" not in os.environ:
+        return f"srun --mpi={os.environ['SLURM_MPI_TYPE']}"
+    if "OMPI_COMM_WORLD_SIZE" in os.environ:
+        return "Open MPI's mpirun"
+    return "mpiexec"
 
 
 def _add_netlab():
@@ -796,6 +824,8 @@ def _world_comm(ctx, watchdog):
     """This process's communicator; in a multi-rank job, registered with caffepar's launcher
     and watched (see comm.Watchdog)."""
     from caffepar.parallel.comm import world_comm
+    from caffepar.parallel.mpilib import prepare_environment
+    prepare_environment()
     comm = world_comm()
     ctx.obj["comm"] = comm
     if comm.size > 1:

@@ -13,7 +13,9 @@ instead of logging in. The node gets its network namespace plus private mount (i
 and /sys), UTS (its own hostname) and PID namespaces: all namespaces share one kernel, so a
 transport free to use shared memory or cross-memory attach between "nodes" would bypass the
 link. Ranks of one node talk through MPICH's shared memory; ranks of different nodes through
-UCX (or libfabric) limited to TCP on the node's link.
+UCX (or libfabric) limited to TCP on the node's link. Where mpi4py runs on Open MPI, its mpirun
+starts the job the same way (its rsh launcher's program is the same), on its tcp BTL. With
+`up --slurm` the lab also runs Slurm (caffepar.netlab_slurm).
 """
 import ipaddress
 import json
@@ -322,6 +324,24 @@ def mpiexec_command(lab, ranks, program, mpiexec=None):
             "-n", str(ranks)] + list(program)
 
 
+def mpirun_command(lab, ranks, program, mpirun=None):
+    """Open MPI's mpirun command that runs `program` on `ranks` ranks of the lab, node by node;
+    run from the hub. Its rsh launcher's program is the lab's, which enters a node instead of
+    logging in; between nodes the ob1 PML's tcp BTL on the lab's subnet, within a node shared
+    memory (vader)."""
+    exe = mpirun or shutil.which("mpirun")
+    if exe is None:
+        raise CaffeparError("netlab: needs Open MPI's mpirun (e.g. apt-get install openmpi-bin)")
+    subnet = str(SUBNET)
+    hosts = ",".join(f"{lab.address(n)}:{lab.ranks_per_node}" for n in range(lab.nodes))
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    return (["ip", "netns", "exec", lab.hub, exe] + root +
+            ["--oversubscribe", "--bind-to", "none", "--mca", "plm_rsh_agent", lab.launcher,
+             "--mca", "oob_tcp_if_include", subnet, "--mca", "btl_tcp_if_include", subnet,
+             "--mca", "pml", "ob1", "--mca", "btl", "tcp,self,vader",
+             "-H", hosts, "-n", str(ranks)] + list(program))
+
+
 def rank_environment(threads=1):
     env = {k: v for k, v in os.environ.items() if k not in RANK_ENV_DROP}
     env.update(RANK_ENV)
@@ -338,8 +358,12 @@ def run_job(lab, argv, threads=1, mpiexec=None, ranks=None):
     env = rank_environment(threads)
     folder = tempfile.mkdtemp(prefix="caffepar-job-")
     env[JOB_DIR_VAR] = folder
-    cmd = mpiexec_command(lab, ranks, [sys.executable, "-m", "caffepar.cli"] + list(argv),
-                          mpiexec)
+    program = [sys.executable, "-m", "caffepar.cli"] + list(argv)
+    from caffepar.parallel.mpilib import family
+    if family() == "openmpi":       # mpi4py built against Open MPI: its mpirun starts the ranks
+        cmd = mpirun_command(lab, ranks, program, mpiexec)
+    else:
+        cmd = mpiexec_command(lab, ranks, program, mpiexec)
     try:
         status = LabJob(cmd, env, folder, ranks, lab.ranks_per_node).run()
     finally:
@@ -427,9 +451,24 @@ def netlab_group():
 @netlab_group.command("up")
 @_name_option
 @_layout_options
-def netlab_up(name, nodes, ranks_per_node, link):
+@click.option("--slurm", is_flag=True,
+              help="Also run Slurm on the lab: munged and slurmctld on the hub (the login "
+                   "node), a slurmd per node; `netlab login -- sbatch ...` submits to it.")
+def netlab_up(name, nodes, ranks_per_node, link, slurm):
     """Build a lab: NODES namespaces on one bridge, each link shaped to its rate."""
+    if slurm:
+        from caffepar import netlab_slurm
+        message = netlab_slurm.missing_programs()
+        if message:
+            raise CaffeparError(message)
     lab = up(_lab_from_options(name, nodes, ranks_per_node, link))
+    if slurm:
+        from caffepar import netlab_slurm
+        try:
+            netlab_slurm.start(lab)
+        except BaseException:
+            down(lab.name)
+            raise
     click.echo(describe(lab))
 
 
@@ -441,6 +480,27 @@ def netlab_down(name):
     removed = down(name)
     click.echo(f"netlab {name}: removed {', '.join(removed)}" if removed
                else f"netlab {name}: nothing to remove")
+
+
+@netlab_group.command("login", context_settings={"ignore_unknown_options": True,
+                                                 "allow_interspersed_args": False})
+@_name_option
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def netlab_login(name, command):
+    """Run COMMAND on the lab's login node (the hub), as a user logged in to the cluster:
+    with `up --slurm`, Slurm's commands (sbatch, salloc, srun, squeue, scancel) reach the
+    lab's Slurm. Exits with COMMAND's status."""
+    check_privileges()
+    lab = Lab.load(name)
+    if lab is None:
+        raise CaffeparError(f"netlab: no lab named {name!r} is up")
+    from caffepar import netlab_slurm
+    env = netlab_slurm.environment(lab) if netlab_slurm.is_up(lab) else dict(os.environ)
+    try:
+        done = subprocess.run(netlab_slurm.in_hub(lab, command), env=env)
+    except FileNotFoundError as error:
+        raise CaffeparError(f"netlab login: {error.strerror}: {error.filename}")
+    sys.exit(done.returncode)
 
 
 @netlab_group.command("status")
@@ -487,7 +547,9 @@ def netlab_link(name, node, state):
 @_layout_options
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="BLAS threads per rank.")
-@click.option("--mpiexec", default=None, help="hydra's mpiexec to launch with.")
+@click.option("--mpiexec", default=None,
+              help="hydra's mpiexec to launch with (Open MPI's mpirun where mpi4py runs on "
+                   "Open MPI).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def netlab_run(name, nodes, ranks_per_node, link, threads, mpiexec, command):
     """Run `caffepar COMMAND` (train, time, calibrate ...) with a rank per node slot.
@@ -530,4 +592,10 @@ def describe(lab, with_counters=False):
             sent, received = stats[node]
             line += f"  sent {sent:,} B  received {received:,} B"
         lines.append(line)
+    from caffepar import netlab_slurm
+    if netlab_slurm.is_up(lab):
+        states = netlab_slurm.sinfo(lab)
+        lines.append(f"  slurm: slurmctld on the hub, SLURM_CONF={netlab_slurm.conf_path(lab)}; "
+                     + (", ".join(f"{n} {s}" for n, s in sorted(states.items()))
+                        if states else "slurmctld does not answer"))
     return "\n".join(lines)

@@ -29,6 +29,26 @@ def pytest_addoption(parser):
                      help="which kernel path the kernel_paths tests run on (default: both)")
 
 
+CLUSTER_VAR = "CAFFEPAR_CLUSTER_TESTS"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cluster: starts Slurm or Open MPI on the network lab "
+                            "(minutes); run with -m cluster or CAFFEPAR_CLUSTER_TESTS=1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The cluster group runs when asked for (-m cluster, or $CAFFEPAR_CLUSTER_TESTS=1):
+    scripts/cluster_tests.sh installs what it needs and runs it."""
+    if os.environ.get(CLUSTER_VAR) == "1" or "cluster" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="the cluster group (Slurm, Open MPI on the lab, a few "
+                            "minutes): scripts/cluster_tests.sh runs it")
+    for item in items:
+        if "cluster" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_generate_tests(metafunc):
     """Tests using the kernel_path fixture (whole modules through usefixtures) run on the
     compiled kernels and on the NumPy code."""

@@ -278,6 +278,10 @@ def test_calibrate_writes_a_file_plan_reads(tmp_path):
     assert all(b > 0 for _a, b in model.fits[2].values())
     samples = model.info["P2"]["samples"]["allreduce"]
     assert [b for b, _s in samples][:3] == [8, 16, 64]       # 4 B rounds up to one per rank
+    from mpi4py import MPI        # the MPI library in use is named, in the output and the file
+    library = " ".join(MPI.Get_library_version().replace("\0", " ").splitlines()[0].split())
+    assert f"MPI: {library} (MPI " in proc.stdout and "; launched by mpiexec" in proc.stdout
+    assert model.info["P2"]["mpi"].startswith(f"MPI: {library}")
     proc = subprocess.run(command[:-2] + ["--transport", "tcp", "-o", str(out)],
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2 and "holds a shm calibration" in proc.stderr

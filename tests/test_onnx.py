@@ -40,6 +40,7 @@ REFUSED = {
     "argmax_axis1_top2": "ArgMax with an axis, top_k 1",
     "argmax_top3_outmax": "ArgMax with an axis",
     "batchnorm_batchstats_testphase": "use_global_stats: false",
+    "silence": "the net has no outputs",
 }
 """Golden cases with settings ONNX cannot express: refused with a message naming them."""
 
@@ -225,6 +226,23 @@ def test_batchnorm_scale_eltwise_net(tmp_path):
     mean1 = numpy_helper.to_array(init["bn1/mean"])
     np.testing.assert_allclose(mean1, net.params["bn1"][0].data / 7.5, rtol=1e-6)
     assert not numpy_helper.to_array(init["bn2/mean"]).any()
+    check(result)
+
+
+def test_a_deploy_nets_silence_layer_exports_as_no_node(tmp_path):
+    """MobileNetV2-SSDLite's deploy silences a Slice's unused top: nothing to compute."""
+    path = tmp_path / "silence.prototxt"
+    path.write_text("""name: "s"
+input: "data"
+input_shape { dim: 1 dim: 4 dim: 3 dim: 3 }
+layer { name: "slice" type: "Slice" bottom: "data" top: "a" top: "b"
+        slice_param { slice_point: 1 axis: 1 } }
+layer { name: "silence" type: "Silence" bottom: "a" }
+layer { name: "relu" type: "ReLU" bottom: "b" top: "out" }
+""")
+    result = export_onnx(path, None)
+    assert [n.op_type for n in result.model.graph.node].count("Relu") == 1
+    assert [o.name for o in result.model.graph.output] == ["out"]
     check(result)
 
 

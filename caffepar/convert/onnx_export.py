@@ -477,6 +477,10 @@ def _split(g, ctx):
     return [ctx.inputs[0]] * len(ctx.outs)
 
 
+def _silence(g, ctx):
+    return []  # it only consumes its bottoms (a deploy net silencing an unused top): no node
+
+
 # ------------------------------------------------------------------------ shape layers
 def _reshape_to_top(g, ctx):
     shape = _target_shape(ctx, 0, ctx.bottom_shapes[0], ctx.probe_bottom_shapes[0])
@@ -738,6 +742,7 @@ CONVERTERS = {
     "Swish": _swish,
     "Dropout": _dropout,
     "Split": _split,
+    "Silence": _silence,
     "Flatten": _reshape_to_top,
     "Reshape": _reshape_to_top,
     "Concat": _concat,
@@ -770,7 +775,7 @@ CONVERTERS.update(SSD_CONVERTERS)
 _DATA_TYPES = {"Data", "ImageData", "HDF5Data", "MemoryData", "WindowData"}
 _LOSS_TYPES = {"SoftmaxWithLoss", "SigmoidCrossEntropyLoss", "EuclideanLoss", "HingeLoss",
                "InfogainLoss", "MultinomialLogisticLoss", "ContrastiveLoss", "Accuracy",
-               "Silence", "HDF5Output"}
+               "HDF5Output"}
 UNSUPPORTED = {
     **{t: "reads a dataset; export the deploy net, whose Input layer becomes the graph input"
        for t in _DATA_TYPES},
@@ -939,6 +944,9 @@ def _build(net, opset, name, probe=None):
                                   layer_type=layer.type) from None
         for t, name_ in zip(tops, produced):
             current[t] = name_
+    if not outputs:
+        raise OnnxExportError("cannot export to ONNX: the net has no outputs (every top is "
+                              "consumed, e.g. by Silence): nothing to compute")
     graph_outputs = []
     input_names = {i.name for i in graph_inputs}
     for o in outputs:

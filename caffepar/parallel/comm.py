@@ -608,6 +608,8 @@ class Watchdog:
         self.orphaned = False
         self.stuck_file = None
         self.patience = (None, 0.0)     # (collective number, when a busy rank was last seen)
+        self.queries = []               # sends of _ask not yet complete
+        self.posting = self.unreachable = None
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="caffepar-watchdog", daemon=True)
 
@@ -718,8 +720,8 @@ class Watchdog:
             return answers, request
         replies = {r: np.zeros(3, np.int64) for r in others}
         pending = {r: self.side.Irecv(replies[r], source=r, tag=self.ANSWER) for r in others}
-        for r in others:
-            self.side.Isend(np.array([number], np.int64), dest=r, tag=self.QUERY).Wait()
+        if not self._post_queries(number, others):
+            return answers, request
         deadline = time.monotonic() + max(5.0, 3 * self.INTERVAL)
         while pending and time.monotonic() < deadline:
             request = self._answer(request, query)
@@ -731,6 +733,30 @@ class Watchdog:
             req.Cancel()
         return answers, request
 
+    POST_LIMIT = 2.0
+
+    def _post_queries(self, number, others):
+        """Send the query to the others, from a thread of its own: with some transports (MPICH
+        over OFI's tcp) posting a send to a rank whose node is gone blocks, and every other MPI
+        call with it. False when that happened (`unreachable` is that rank); the sends are not
+        waited for."""
+        import threading
+        posted = threading.Event()
+
+        def post():
+            for r in others:
+                self.posting = r
+                self.queries.append(self.side.Isend(np.array([number], np.int64), dest=r,
+                                                    tag=self.QUERY))
+            posted.set()
+
+        self.queries = [q for q in self.queries if not q.Test()]
+        threading.Thread(target=post, name="caffepar-watchdog-ask", daemon=True).start()
+        if posted.wait(self.POST_LIMIT):
+            return True
+        self.unreachable = self.posting
+        return False
+
     def _expired(self, waiting, request, query, limit, stopping=False):
         """This rank has waited `limit` s in `waiting` (or was asked to stop while waiting):
         end the job naming the ranks that did not come, unless a late one is writing a
@@ -741,6 +767,14 @@ class Watchdog:
         answers, request = ({}, request) if self.orphaned else self._ask(number, request, query)
         if self.stopping.is_set() or (comm.waiting or (None,))[0] != number:
             return request      # it completed while the others were asked (they may be gone)
+        what = f"collective #{number} ({op} {tag!r})" if tag else f"collective #{number} ({op})"
+        if self.unreachable is not None:
+            r = self.unreachable
+            host = f" on {self.hosts[r]}" if len(set(self.hosts)) > 1 else ""
+            self._end_job(f"caffepar: rank {r}{host} cannot be reached (MPI blocks sending to "
+                          f"it: its process or node is gone?); rank {comm.rank} waited "
+                          f"{time.monotonic() - since:.0f} s in {what}; ended the job")
+            return request
         waited = time.monotonic() - since
         others = [r for r in range(comm.size) if r != comm.rank]
         late = sorted(r for r in others if r not in answers or answers[r][0] < number)
@@ -752,7 +786,6 @@ class Watchdog:
             return request
         if waiters[0] != comm.rank and waited < 2 * (limit or self.GRACE):
             return request                                  # the lower rank says it
-        what = f"collective #{number} ({op} {tag!r})" if tag else f"collective #{number} ({op})"
         several_hosts = len(set(self.hosts)) > 1
         who = []
         for r in late:
@@ -774,7 +807,8 @@ class Watchdog:
 
     def _end_job(self, line):
         from caffepar.parallel.launch import abort_all
-        abort_all(self.comm, line, hard=bool(self.orphaned))
+        # unreachable: MPI_Abort would block too, as the sends did
+        abort_all(self.comm, line, hard=bool(self.orphaned) or self.unreachable is not None)
 
 
 #: How a rank reports an MPI call that failed: most often the consequence of another rank, or

@@ -141,8 +141,8 @@ def relaunch(ranks, argv, threads=None, mpiexec=None, transport=None):
     folder = tempfile.mkdtemp(prefix=f"{JOB_PREFIX}{os.getpid()}-")
     env[JOB_DIR_VAR] = folder
     env[LAUNCHER_VAR] = str(os.getpid())
-    cmd = [exe] + _own_cleanup(exe) + ["-n", str(ranks), sys.executable, "-m",
-                                         "caffepar.cli"] + list(argv)
+    cmd = [exe] + _own_cleanup(exe) + _other_mpi(exe, ranks) + [
+        "-n", str(ranks), sys.executable, "-m", "caffepar.cli"] + list(argv)
     try:
         status = Job(cmd, env, folder, ranks).run()
     finally:
@@ -164,6 +164,17 @@ def _own_cleanup(exe):
     except (OSError, subprocess.SubprocessError):
         return []
     return ["-disable-auto-cleanup"] if "HYDRA" in version else []
+
+
+def _other_mpi(exe, ranks):
+    """Options for an mpiexec that is not hydra (Open MPI's mpirun: root, more ranks than
+    cores); refuses, in one line, an mpiexec of another MPI than the one mpi4py runs on."""
+    from caffepar.errors import CaffeparError
+    from caffepar.parallel import mpilib
+    wrong = mpilib.check_launcher(exe)
+    if wrong:
+        raise CaffeparError(wrong)
+    return mpilib.open_mpi_options(ranks) if mpilib.is_open_mpi_launcher(exe) else []
 
 
 class Job:
