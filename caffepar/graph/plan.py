@@ -328,171 +328,204 @@ def _activation(layer, ep, channels):
 class _EpilogueParams:
     """The per-channel scale and shift of every epilogue of a plan, one run of a flat array
     each, made at every forward from the current parameters of the layers folded in, with a
-    few NumPy calls for all of them: each folded layer is y = a * x + b per channel (a and b
-    from its parameters, in float64), and an epilogue composes its layers' maps in order,
-    starting from the host's bias."""
+    few NumPy calls for all of them. Each folded layer is a map y = a * x + b per channel (a
+    and b from its parameters, in float64); an epilogue composes its maps in order, starting
+    from the host's bias. The parameters are gathered by one concatenate, laid out role by
+    role (all means, then all variances, ...), and the maps' a and b depth by depth (every
+    epilogue's first map, then every second one), so that each step reads and writes runs."""
+
+    KINDS = {"batchnorm": 3, "pspnet": 4, "scale": 2, "bias": 1}
 
     def __init__(self, dtype, capacity):
         self.dtype = np.dtype(dtype)
-        self.sources, self.size = [], 0     # the parameter arrays read, as 1-D views
-        self.hosts = []                      # (offset, channels, bias offset, [maps])
+        self.hosts = []         # (offset, channels, bias array or None, [(kind, arrays, eps)])
         self.channels = 0
         self.scale = np.ones(capacity, self.dtype)
         self.shift = np.zeros(capacity, self.dtype)
 
-    def _param(self, array, count):
-        """The offset of a parameter array's values in the gathered vector, or None where it
-        does not hold `count` values."""
-        flat = view_as(array, (-1,))
-        if flat is None or flat.size != count:
-            return None
-        self.sources.append(flat)
-        self.size += count
-        return self.size - count
-
     def add(self, bias, chain, channels):
         """An epilogue of `channels` channels: the host's bias blob (or None) and its affine
-        layers in order; (scale, shift) views, or None where a parameter does not fit."""
-        maps = []
-        size, count = self.size, len(self.sources)
-        for layer in chain:
-            m = self._map(layer, channels)
-            if m is None:
-                self.size, self.sources[count:] = size, []
-                return None
-            maps.append(m)
-        bias_at = None
+        layers in order; its (scale, shift) views, or None where a parameter does not fit."""
+        maps = [self._map(layer, channels) for layer in chain]
+        if any(m is None for m in maps):
+            return None
         if bias is not None:
-            bias_at = self._param(bias.data, channels)
-            if bias_at is None:
-                self.size, self.sources[count:] = size, []
+            bias = _flat(bias.data, channels)
+            if bias is None:
                 return None
         offset = self.channels
-        self.hosts.append((offset, channels, bias_at, maps))
+        self.hosts.append((offset, channels, bias, maps))
         self.channels += channels
         return self.scale[offset:offset + channels], self.shift[offset:offset + channels]
 
-    def _map(self, layer, c):
-        """(kind, offsets of its parameters, eps) of one folded layer."""
+    @staticmethod
+    def _map(layer, c):
+        """(kind, parameter arrays (1-D views, None: absent), eps) of one folded layer."""
         b = layer.blobs
         if layer.type == "BatchNorm":
-            offsets = (self._param(b[0].data, c), self._param(b[1].data, c),
-                       self._param(b[2].data, 1))
-            return None if None in offsets else ("batchnorm", offsets, layer.eps)
-        if layer.type == "BN" and not layer.segnet:
-            offsets = tuple(self._param(blob.data, c) for blob in b[:4])
-            return None if None in offsets else ("pspnet", offsets, layer.eps)
-        if layer.type in ("Scale", "BN"):
-            scale = self._param(b[0].data, c)
-            shift = self._param(b[1].data, c) if len(b) > 1 else None
-            has_shift = len(b) > 1
-            if scale is None or (has_shift and shift is None):
-                return None
-            return ("scale", (scale, shift), 0.0)
-        shift = self._param(b[0].data, c)       # Bias
-        return None if shift is None else ("bias", (shift,), 0.0)
+            arrays = [_flat(b[0].data, c), _flat(b[1].data, c), _flat(b[2].data, 1)]
+            kind, eps = "batchnorm", layer.eps
+        elif layer.type == "BN" and not layer.segnet:
+            arrays = [_flat(blob.data, c) for blob in b[:4]]
+            kind, eps = "pspnet", layer.eps
+        elif layer.type in ("Scale", "BN"):
+            arrays = [_flat(b[0].data, c), _flat(b[1].data, c) if len(b) > 1 else False]
+            kind, eps = "scale", 0.0
+        else:
+            arrays, kind, eps = [_flat(b[0].data, c)], "bias", 0.0
+        if any(a is None for a in arrays):
+            return None
+        return kind, [a if a is not False else None for a in arrays], eps
 
     def finish(self):
-        """Index arrays for the gathered vector; the views handed to the epilogues."""
-        n = self.channels
+        """Lay the parameters and maps out; the index runs of each step."""
         if not self.hosts:
             return
-        self.p = np.zeros(self.size, np.float64)
-        self.s64, self.b64 = np.ones(n), np.zeros(n)
-        self.kinds = {}     # kind -> (lists of parameter indices per role, eps, a/b positions)
-        rows = []           # per epilogue: a list of a/b positions of its maps, in order
-        count = 0
-        for offset, c, bias_at, maps in self.hosts:
-            positions = []
-            for kind, offsets, eps in maps:
-                entry = self.kinds.setdefault(kind, {"idx": [], "eps": [], "at": []})
-                idx = [np.arange(o, o + c) if o is not None else None for o in offsets]
-                if kind == "batchnorm":
-                    idx[2] = np.full(c, offsets[2])
-                entry["idx"].append(idx)
-                entry["eps"].append(np.full(c, eps))
-                entry["at"].append(np.arange(count, count + c))
-                positions.append(np.arange(count, count + c))
-                count += c
-            rows.append(positions)
-        self.a, self.b = np.ones(count), np.zeros(count)
-        for kind, entry in self.kinds.items():
-            roles = len(entry["idx"][0])
-            idx = []
-            for r in range(roles):
-                parts = [row[r] for row in entry["idx"]]
-                if any(p is None for p in parts):     # Scale with and without a bias term
-                    have = [k for k, p in enumerate(parts) if p is not None]
-                    idx.append((_compact(np.concatenate([entry["at"][k] for k in have]))
-                                if have else None,
-                                _compact(np.concatenate([parts[k] for k in have]))
-                                if have else None))
-                else:
-                    idx.append((None, _compact(np.concatenate(parts))))
-            entry["roles"] = idx
-            entry["at"] = _compact(np.concatenate(entry["at"]))
-            entry["eps"] = np.concatenate(entry["eps"])
-        self.rounds = []
-        depth = max(len(r) for r in rows)
+        n = self.channels
+        depth = max(len(maps) for _, _, _, maps in self.hosts)
+        order = []          # (depth, host offset, channels, kind, arrays, eps), a/b order
         for d in range(depth):
-            ch = [np.arange(o, o + c) for (o, c, _, _), r in zip(self.hosts, rows) if len(r) > d]
-            ab = [r[d] for r in rows if len(r) > d]
-            self.rounds.append((_compact(np.concatenate(ch)), _compact(np.concatenate(ab))))
-        with_bias = [(o, c, at) for o, c, at, _ in self.hosts if at is not None]
+            for offset, c, _, maps in self.hosts:
+                if d < len(maps):
+                    order.append((d, offset, c) + maps[d])
+        sources, size = [], 0
+
+        def gather(arrays):
+            nonlocal size
+            start = size
+            for a in arrays:
+                sources.append(a)
+                size += a.size
+            return slice(start, size)
+
+        with_bias = [(o, c, b) for o, c, b, _ in self.hosts if b is not None]
         self.bias = None
         if with_bias:
             self.bias = (_compact(np.concatenate([np.arange(o, o + c) for o, c, _ in with_bias])),
-                         _compact(np.concatenate([np.arange(at, at + c)
-                                                  for _, c, at in with_bias])))
+                         gather([b for _, _, b in with_bias]))
+        at, count = [], 0
+        for entry in order:
+            at.append(slice(count, count + entry[2]))
+            count += entry[2]
+        self.kinds = []
+        for kind in self.KINDS:
+            mine = [(k, e) for k, e in enumerate(order) if e[3] == kind]
+            if not mine:
+                continue
+            positions = _compact(np.concatenate([np.arange(at[k].start, at[k].stop)
+                                                 for k, _ in mine]))
+            roles = []
+            for r in range(self.KINDS[kind]):
+                have = [(k, e) for k, e in mine if e[4][r] is not None]
+                if not have:
+                    roles.append(None)
+                    continue
+                where = positions if len(have) == len(mine) else _compact(np.concatenate(
+                    [np.arange(at[k].start, at[k].stop) for k, _ in have]))
+                roles.append((where, gather([e[4][r] for _, e in have])))
+            counts = np.array([e[2] for _, e in mine])
+            eps = np.repeat([e[5] for _, e in mine], counts)
+            self.kinds.append((kind, positions, roles, counts, eps))
+        self.rounds = []
+        for d in range(depth):
+            ks = [k for k, e in enumerate(order) if e[0] == d]
+            ch = _compact(np.concatenate([np.arange(order[k][1], order[k][1] + order[k][2])
+                                          for k in ks]))
+            ab = _compact(np.concatenate([np.arange(at[k].start, at[k].stop) for k in ks]))
+            self.rounds.append((ch, ab))
+        self.sources = sources
+        self.gather, self.raw = _gather(sources, size)
+        self.last = None
+        self.p = np.zeros(size)
+        self.a, self.b = np.ones(count), np.zeros(count)
+        self.s64, self.t64 = np.ones(n), np.zeros(n)
+
     def refresh(self):
+        """Gather the parameters; where they changed since the last forward, make every
+        epilogue's scale and shift from them."""
+        self.gather()
+        if self.last is not None and np.array_equal(self.raw, self.last):
+            return
+        self.last = self.raw.copy()
         p, a, b = self.p, self.a, self.b
-        np.concatenate(self.sources, out=p)
-        for kind, entry in self.kinds.items():
-            roles, at = entry["roles"], entry["at"]
-            if kind == "batchnorm":
-                mean, var, fac = (_take(p, r[1]) for r in roles)
-                f = np.zeros_like(fac)
-                np.divide(1.0, fac, out=f, where=fac != 0)
-                mean *= f
-                var *= f
-                var += entry["eps"]
+        np.copyto(p, self.raw)
+        for kind, at, roles, counts, eps in self.kinds:
+            if kind == "batchnorm":     # Caffe's: statistics divided by the factor, 0 if 0
+                fac = p[roles[2][1]]
+                inv = np.zeros_like(fac)
+                np.divide(1.0, fac, out=inv, where=fac != 0)
+                inv = np.repeat(inv, counts)
+                var = p[roles[1][1]] * inv
+                var += eps
                 np.sqrt(var, out=var)
                 np.divide(1.0, var, out=var)
                 a[at] = var
-                mean *= var
-                b[at] = -mean
-            elif kind == "pspnet":
-                slope, bias, mean, var = (_take(p, r[1]) for r in roles)
-                var += entry["eps"]
+                np.multiply(p[roles[0][1]], inv, out=inv)
+                inv *= var
+                np.negative(inv, out=inv)
+                b[at] = inv
+            elif kind == "pspnet":      # slope * (x - mean) / sqrt(var + eps) + bias
+                var = p[roles[3][1]] + eps
                 np.sqrt(var, out=var)
-                np.divide(slope, var, out=var)
+                np.divide(p[roles[0][1]], var, out=var)
                 a[at] = var
-                mean *= var
-                np.subtract(bias, mean, out=bias)
-                b[at] = bias
+                var *= p[roles[2][1]]
+                np.subtract(p[roles[1][1]], var, out=var)
+                b[at] = var
             elif kind == "scale":
                 a[at] = p[roles[0][1]]
-                shift_at, shift = roles[1]
-                if shift is not None:
-                    b[shift_at if shift_at is not None else at] = p[shift]
+                if roles[1] is not None:
+                    b[roles[1][0]] = p[roles[1][1]]
             else:
                 b[at] = p[roles[0][1]]
-        s, t = self.s64, self.b64
+        s, t = self.s64, self.t64
         s.fill(1.0)
         t.fill(0.0)
         if self.bias is not None:
             t[self.bias[0]] = p[self.bias[1]]
         for ch, ab in self.rounds:
             av = a[ab]
-            s[ch] = s[ch] * av
-            t[ch] = t[ch] * av + b[ab]
-        np.copyto(self.scale[:len(s)], s, casting="same_kind")
-        np.copyto(self.shift[:len(t)], t, casting="same_kind")
+            s[ch] *= av
+            if isinstance(ch, slice):
+                np.multiply(t[ch], av, out=t[ch])
+                t[ch] += b[ab]
+            else:
+                t[ch] = t[ch] * av + b[ab]
+        n = len(s)
+        np.copyto(self.scale[:n], s, casting="same_kind")
+        np.copyto(self.shift[:n], t, casting="same_kind")
 
 
-def _take(p, index):
-    """p[index] as an array of its own."""
-    return p[index].copy() if isinstance(index, slice) else p[index]
+def _gather(sources, size):
+    """(gather, buffer): gather() puts the sources' values into the buffer, in order. The
+    parameters are views into one flat buffer (Net's param_data, or that of the net it
+    shares weights with): then one take of their positions from it, else one concatenate."""
+    root = _root(sources[0])
+    buf = np.empty(size, sources[0].dtype)
+    if all(_root(a) is root for a in sources) and root.ndim == 1 and \
+            root.flags.c_contiguous and all(a.flags.c_contiguous and a.dtype == root.dtype
+                                            for a in sources):
+        start = root.__array_interface__["data"][0]
+        index = np.concatenate([
+            np.arange(a.size) + (a.__array_interface__["data"][0] - start) // a.itemsize
+            for a in sources])
+        index = _compact(index)
+        if isinstance(index, slice):
+            return partial(np.copyto, buf, root[index]), buf
+        return partial(np.take, root, index, out=buf, mode="clip"), buf
+    return partial(np.concatenate, sources, out=buf, casting="same_kind"), buf
+
+
+def _root(a):
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def _flat(array, count):
+    """A parameter array as a 1-D view of `count` values, or None."""
+    flat = view_as(array, (-1,))
+    return flat if flat is not None and flat.size == count else None
 
 
 def _compact(index):
