@@ -862,3 +862,105 @@ def test_prepared_forward_reads_its_arrays_at_each_call():
         z = np.einsum("oc,nchw->nohw", w[:, :, 0, 0], x) * ep.scale[:, None, None] \
             + ep.shift[:, None, None]
         np.testing.assert_allclose(y, np.maximum(z, 0), rtol=1e-5, atol=1e-5)
+
+
+DEPTHWISE_CASES = [
+    case(2, 8, (9, 10), 8, 3, 1, 1, 1, 8),         # 3x3 stride 1
+    case(1, 8, (11, 9), 8, 3, 2, 1, 1, 8),         # stride 2
+    case(2, 6, (12, 12), 6, 3, 1, 2, 2, 6),        # dilated
+    case(1, 4, (13, 12), 4, 5, 1, 2, 1, 4),        # 5x5
+    case(1, 4, (9, 9), 4, 5, 2, 2, 1, 4),          # 5x5 stride 2
+    case(2, 3, (8, 7), 6, 3, 2, 1, 1, 3),          # channel multiplier 2
+    case(1, 2, (7, 7), 16, 3, 1, 1, 1, 2),         # multiplier 8: a full tile of outputs
+    case(2, 12, (6, 7), 24, 1, 1, 0, 1, 3),        # group-3 1x1 (ShuffleNet v1), 4 a group
+    case(1, 12, (10, 9), 9, 3, 1, 1, 1, 3),        # grouped 3x3, 4 -> 3 channels a group
+    case(1, 4, (4, 4), 4, 3, 1, 3, 1, 4),          # over-padded
+    case(2, 20, (19, 37), 20, 3, 2, 1, 1, 20),     # long rows: whole vectors and masked tails
+]
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float64, 1e-12)])
+@pytest.mark.parametrize("cs", DEPTHWISE_CASES, ids=ids)
+def test_depthwise_engine(cs, dtype, tol, kernel_path):
+    """Depthwise and few-channel grouped layers run on the depthwise engine under the rules
+    (the compiled kernels; else a GEMM engine) and agree with the reference in forward, dx,
+    dw, db and as a grouped Deconvolution."""
+    from caffepar.nn.conv import dispatch
+    x, w, b, dy = make(cs, dtype=dtype)
+    args = cs[5:]
+    g = geometry.Geom(x.shape[2:], w.shape[2:], *args[:3])
+    engine = dispatch.rule_engine(g, w.shape[1], w.shape[0] // args[3], args[3],
+                                  np.dtype(dtype))
+    assert (engine == "depthwise") == (kernel_path == "native")
+    close(cm.conv_forward(x, w, b, *args), ref_conv(x, w, b, *args), tol)
+    for got, ref in zip(cm.conv_backward(dy, x, w, *args), ref_conv_grads(dy, x, w, *args)):
+        close(got, ref, tol)
+    close(cm.deconv_forward(dy, w, None, *args), ref_deconv(dy, w, None, *args), tol)
+
+
+def _chain(y, ep):
+    """The unfused chain an epilogue stands for, in float64."""
+    scale, shift = (np.asarray(v, np.float64)[:, None, None] for v in (ep.scale, ep.shift))
+    z = y.astype(np.float64) * scale + shift
+    if ep.act == "relu":
+        z = np.where(z < 0, ep.slope * z, z)
+    elif ep.act == "clip":
+        z = np.clip(z, ep.lo, ep.hi)
+    elif ep.act == "prelu":
+        s = np.asarray(ep.slopes, np.float64)
+        z = np.where(z < 0, (s[:, None, None] if s.size > 1 else s[0]) * z, z)
+    return z
+
+
+@pytest.mark.parametrize("act", ["relu", "leaky", "clip", "prelu", "prelu_shared", None])
+@pytest.mark.parametrize("cs", [case(2, 6, (9, 10), 6, 3, 1, 1, 1, 6),
+                                case(1, 4, (8, 9), 8, 3, 2, 1, 1, 4),
+                                case(2, 5, (6, 7), 7, 1)], ids=ids)
+def test_prepared_forward_with_epilogue(cs, act, kernel_path):
+    """A prepared forward (the depthwise engine's kernel, or another engine and the compiled
+    epilogue) computes the unfused chain, and sees at each call what x, w and the epilogue's
+    arrays hold then, also where the epilogue was given as values it must convert."""
+    from caffepar.nn.conv.epilogue import Epilogue
+    x, w, _, _ = make(cs, dtype=np.float32)
+    args = cs[5:]
+    rng = np.random.default_rng(5)
+    o = w.shape[0]
+    slopes = rng.uniform(0.1, 0.3, o).astype(np.float32)
+    kw = {None: {}, "relu": dict(act="relu"), "leaky": dict(act="relu", slope=0.1),
+          "clip": dict(act="clip", lo=0.0, hi=1.0), "prelu": dict(act="prelu", slopes=slopes),
+          "prelu_shared": dict(act="prelu", slopes=slopes[:1])}[act]
+    ep = Epilogue(scale=np.ones(o, np.float32), shift=np.zeros(o, np.float32), **kw)
+    y = np.empty((x.shape[0], o) + cm.conv_output_shape(x.shape[2:], w.shape[2:], *args[:3]),
+                 np.float32)
+    run = cm.prepare_conv_forward(x, w, *args, y, ep)
+    for _ in range(2):
+        x[...] = rng.standard_normal(x.shape)
+        w[...] = rng.standard_normal(w.shape)
+        ep.scale[...] = rng.uniform(0.5, 2, o)
+        ep.shift[...] = rng.standard_normal(o)
+        run()
+        close(y, _chain(ref_conv(x, w, None, *args), ep), 1e-5)
+    listed = Epilogue(scale=[float(v) for v in ep.scale], shift=ep.shift.astype(np.float64),
+                      **kw)
+    run = cm.prepare_conv_forward(x, w, *args, y, listed)
+    listed.shift[...] = rng.standard_normal(o)
+    run()
+    close(y, _chain(ref_conv(x, w, None, *args), listed), 1e-5)
+
+
+@pytest.mark.parametrize("spelling", ['type: "Convolution" convolution_param { num_output: 6 '
+                                      'group: 6',
+                                      'type: "ConvolutionDepthwise" convolution_param {',
+                                      'type: "DepthwiseConvolution" convolution_param { '
+                                      'num_output: 6'])
+def test_every_depthwise_spelling_runs_on_the_depthwise_engine(spelling, kernel_path):
+    from caffepar.graph.net import Net, TEST
+    from caffepar.proto import caffe_pb2
+    from caffepar.proto.text import parse_text
+    text = ('layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 1 dim: 6 '
+            'dim: 8 dim: 8 } } }\n'
+            f'layer {{ name: "dw" bottom: "x" top: "y" {spelling} kernel_size: 3 pad: 1 }} }}')
+    net = Net(parse_text(text, caffe_pb2.NetParameter()), phase=TEST)
+    layer = net.layer_dict["dw"]
+    assert layer.engine(net.blobs["x"].shape) == \
+        ("depthwise" if kernel_path == "native" else "grid")

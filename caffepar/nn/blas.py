@@ -16,9 +16,10 @@ independent blocks can instead run the blocks side by side on that many Python t
 
 BLAS splits a GEMM into one fixed share per thread, and its threads wait for one another by
 spinning. When other processes keep the cores busy (`cores_contended`), a share whose thread
-is descheduled holds up the rest: a GEMM then took 5-10x its fair-share time. There, big GEMMs
-are cut into smaller parts that whichever thread is running takes (`run_parts`); they round
-like one BLAS thread.
+is descheduled holds up the rest: a GEMM then took 5-10x its fair-share time, and a small one
+(a 1x1 convolution on a 7x7 map at batch 1) 100x and more. There, big GEMMs are cut into
+smaller parts that whichever thread is running takes (`run_parts`), and the others run on the
+calling thread alone; they round like one BLAS thread.
 """
 import contextlib
 import ctypes
@@ -192,10 +193,18 @@ def gemm_views(a, b, c, trans_a=False, trans_b=False, beta=0.0):
         else:
             c += r
         return
-    if (m * n * k >= SPLIT_MIN_MACS and not getattr(_PART, "running", False)
-            and cores_contended() and _gemm_parts(a, b, c, trans_a, trans_b, beta)):
-        return
     fn, scalar, ci = entry
+    if not getattr(_PART, "running", False) and cores_contended():
+        if m * n * k >= SPLIT_MIN_MACS and _gemm_parts(a, b, c, trans_a, trans_b, beta):
+            return
+        with single_threaded_blas():
+            _call_gemm(fn, scalar, ci, a, b, c, m, n, k, lda, ldb, ldc, trans_a, trans_b,
+                       beta)
+        return
+    _call_gemm(fn, scalar, ci, a, b, c, m, n, k, lda, ldb, ldc, trans_a, trans_b, beta)
+
+
+def _call_gemm(fn, scalar, ci, a, b, c, m, n, k, lda, ldb, ldc, trans_a, trans_b, beta):
     # Row-major C = A B is column-major C^T = B^T A^T.
     fn(_TRANS[trans_b], _TRANS[trans_a],
        ctypes.byref(ci(n)), ctypes.byref(ci(m)), ctypes.byref(ci(k)),
@@ -204,6 +213,32 @@ def gemm_views(a, b, c, trans_a=False, trans_b=False, beta=0.0):
        ctypes.c_void_p(a.ctypes.data), ctypes.byref(ci(lda)),
        ctypes.byref(scalar(beta)),
        ctypes.c_void_p(c.ctypes.data), ctypes.byref(ci(ldc)))
+
+
+def prepare_gemm(a, b, c, trans_a=False, trans_b=False, beta=0.0):
+    """A call with no arguments running gemm_views(a, b, c, ...) on whatever the arrays hold
+    then, its BLAS arguments built once (a prepared forward runs the same GEMM every pass;
+    building them took several microseconds a call)."""
+    m, n = c.shape
+    am, k = a.shape[::-1] if trans_a else a.shape
+    kb, bn = b.shape[::-1] if trans_b else b.shape
+    entry = _BLAS.get(c.dtype)
+    lda, ldb, ldc = _ld(a), _ld(b), _ld(c)
+    if ((am, bn, kb) != (m, n, k) or not (m and n and k) or entry is None
+            or not (lda and ldb and ldc) or a.dtype != c.dtype or b.dtype != c.dtype):
+        return lambda: gemm_views(a, b, c, trans_a, trans_b, beta)
+    fn, scalar, ci = entry
+    args = (_TRANS[trans_b], _TRANS[trans_a], ctypes.byref(ci(n)), ctypes.byref(ci(m)),
+            ctypes.byref(ci(k)), ctypes.byref(scalar(1.0)), ctypes.c_void_p(b.ctypes.data),
+            ctypes.byref(ci(ldb)), ctypes.c_void_p(a.ctypes.data), ctypes.byref(ci(lda)),
+            ctypes.byref(scalar(beta)), ctypes.c_void_p(c.ctypes.data), ctypes.byref(ci(ldc)))
+
+    def run(a=a, b=b, c=c):     # (keeps the arrays whose addresses it passes)
+        if cores_contended():
+            gemm_views(a, b, c, trans_a, trans_b, beta)
+        else:
+            fn(*args)
+    return run
 
 
 def _gemm_parts(a, b, c, trans_a, trans_b, beta):

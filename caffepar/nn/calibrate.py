@@ -19,6 +19,16 @@ alternating rounds until one is clearly ahead (by CLEAR) or the rounds run out; 
 (within TIE) goes to the one listed first, whichever happened to be faster this time. Each entry
 keeps the times it was chosen on, which `caffepar time --engines` prints.
 
+No pathological engine: a busy machine (other processes on the cores) once made one
+measurement keep a path 100x slower than the best for good (MobileNet v2's conv2_1/expand:
+90-228 ms in use against 0.8 ms on the right engine). So each timing run reads how long the
+process's threads waited for a core meanwhile (the kernel's schedstat); a run that waited
+DISTURBED of its time or more is run again (RETRIES), and a choice some of whose timings stayed
+disturbed is provisional: kept in memory, not in the cache file, and measured again once the
+cores are quiet (at most REMEASURES times). A choice in use is also watched (``observe``): a
+pass that takes STRAY times what its engine measured, STRAY_RUNS times in a row on cores that
+are not contended, is measured again.
+
 ``CAFFEPAR_CONV_ENGINES`` selects: ``measure`` (default), ``rules`` (fixed thresholds, no
 timing; the test suite uses it) or a convolution engine's name (every shape it can run goes to
 it; benchmarks use it).
@@ -47,6 +57,17 @@ CLEAR = 0.05
 MORE_ROUNDS = 8
 #: The two best this close after all rounds: a tie, settled by the candidates' order.
 TIE = 0.03
+
+#: A timing run whose threads waited for a core this share of its wall time was disturbed ...
+DISTURBED = 0.1
+#: ... and is run again, this many times at most.
+RETRIES = 3
+#: A pass in use this many times slower than its engine measured ...
+STRAY = 8.0
+#: ... this many times in a row, on cores not contended, has its engine measured again.
+STRAY_RUNS = 3
+#: Measurements of one shape again (disturbed or strayed), at most, per process.
+REMEASURES = 2
 
 _LOCK = threading.RLock()
 _chosen = {}            # cache file path -> {key: engine}
@@ -172,11 +193,12 @@ def choose(key, candidates, timing, describe):
         path = _cache_file()
         chosen = _chosen_in(path)
         entry = _entry(chosen, key, candidates)
-        if entry is not None:
+        if entry is not None and not (entry.get("disturbed") and _remeasure_now(key)):
             _last.entry = entry
             return entry["engine"]
         run = timing()
         start = time.perf_counter()
+        _disturbed.count = 0
         with _measurement():
             times = _measure(run, candidates)
         # The work arrays every candidate left behind: only the chosen one's come back.
@@ -189,9 +211,56 @@ def choose(key, candidates, timing, describe):
                                                                       key=lambda i: i[1])),
                  time.perf_counter() - start)
         entry = {"engine": engine, "ms": {e: round(1e3 * t, 3) for e, t in times.items()}}
+        if _disturbed.count:
+            entry["disturbed"] = _disturbed.count
+            log.info("Convolution %s: %d timing runs disturbed by other load; the choice is "
+                     "provisional and will be measured again on quiet cores", describe,
+                     _disturbed.count)
         chosen[key] = _last.entry = entry
-        _save(path, key, entry)
+        _watch[key] = [times[engine], 0, _watch.get(key, [0, 0, 0])[2]]
+        if not entry.get("disturbed"):
+            _save(path, key, entry)
         return engine
+
+
+def _remeasure_now(key):
+    """Whether a provisional (disturbed) choice is measured again now: the cores are quiet and
+    the shape has not been measured again too often."""
+    from caffepar.nn.blas import cores_contended
+    watch = _watch.setdefault(key, [0, 0, 0])
+    if watch[2] >= REMEASURES or cores_contended():
+        return False
+    watch[2] += 1
+    return True
+
+
+_watch = {}     # key -> [measured seconds of the chosen engine, strays in a row, re-measures]
+
+
+def observe(key, seconds):
+    """A pass of the shape `key` took `seconds` in use: after STRAY_RUNS passes in a row
+    STRAY times slower than its engine measured, on cores not contended, its choice is dropped
+    (measured again at its next lookup). Returns True when it was dropped."""
+    watch = _watch.get(key)
+    if watch is None or not watch[0]:
+        return False
+    if seconds < STRAY * watch[0]:
+        watch[1] = 0
+        return False
+    from caffepar.nn.blas import cores_contended
+    if watch[2] >= REMEASURES or cores_contended():     # a busy spell does not count
+        return False
+    watch[1] += 1
+    if watch[1] < STRAY_RUNS:
+        return False
+    watch[1] = 0
+    with _LOCK:
+        entry = _chosen_in(_cache_file()).get(key)
+        if isinstance(entry, dict):
+            entry["disturbed"] = entry.get("disturbed", 0) or 1
+    log.info("Convolution %s: %.2f ms in use, %.0fx what its engine measured: measuring "
+             "again", key, 1e3 * seconds, seconds / watch[0])
+    return True
 
 
 def _measure(run, candidates):
@@ -277,7 +346,44 @@ def random_array(rng, shape, dtype, scale=1.0):
     return a
 
 
+_disturbed = threading.local()      # .count: timing runs that stayed disturbed
+
+
+def _waited():
+    """Seconds this process's threads have spent runnable but waiting for a core (schedstat's
+    run delay, summed over the threads); None where the kernel does not say."""
+    total = 0
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/schedstat", "rb") as f:
+                total += int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total * 1e-9
+
+
 def _timed(run, engine):
-    t0 = time.perf_counter()
-    run(engine)
-    return time.perf_counter() - t0
+    """Seconds of one run of `engine`: run again (RETRIES times at most) while the process's
+    threads waited for a core DISTURBED of the time or more; the fastest run counts, and a
+    timing whose every run was disturbed is counted in _disturbed.count. CAFFEPAR_CONTENDED
+    (blas.Contention), when set, says whether runs are disturbed in place of the kernel."""
+    from caffepar.nn.blas import cores_contended
+    forced = cores_contended.forced
+    if forced is not None:
+        t0 = time.perf_counter()
+        run(engine)
+        if forced:
+            _disturbed.count = getattr(_disturbed, "count", 0) + 1
+        return time.perf_counter() - t0
+    best = None
+    for _ in range(RETRIES + 1):
+        w0 = _waited()
+        t0 = time.perf_counter()
+        run(engine)
+        wall = time.perf_counter() - t0
+        w1 = _waited()
+        best = wall if best is None else min(best, wall)
+        if w0 is None or w1 is None or w1 - w0 < DISTURBED * wall:
+            return best
+    _disturbed.count = getattr(_disturbed, "count", 0) + 1
+    return best

@@ -2,18 +2,21 @@
 shape (``conv_engine``)."""
 import functools
 import threading
+import time
 
 import numpy as np
 
 from caffepar.nn import calibrate, native
 from caffepar.nn.blas import blas_threads
-from caffepar.nn.conv import band, cols, direct, grid, pointwise, winograd
-from caffepar.nn.conv.epilogue import apply_epilogue
+from caffepar.nn.conv import band, cols, depthwise, direct, grid, pointwise, winograd
+from caffepar.nn.conv.epilogue import EpilogueArgs, apply_epilogue, prepare_epilogue
 from caffepar.nn.conv.geometry import bias_diff, expand, flipped_geom, flipped_weights, geom
 from caffepar.nn.neuron import relu_backward, relu_forward
 
-def rule_engine(g, cg, og, group):
+def rule_engine(g, cg, og, group, dt=np.dtype(np.float32)):
     """The engine fixed thresholds give a shape (without measuring)."""
+    if depthwise.usable(g, cg, group, dt):
+        return "depthwise"
     if winograd.usable(g, cg, og):
         return "winograd"
     if pointwise.usable(g):
@@ -27,7 +30,8 @@ def candidates(g, cg, group, dt):
     """The engines able to run a shape, as each engine's `applicable` declares (grid takes any):
     the measured choice times only these, so an engine that cannot take a geometry (a kernel
     larger than the input, a stride, dilation or group it lacks) is never tried."""
-    found = [name for name, able in (("direct", direct.applicable(g, dt)),
+    found = [name for name, able in (("depthwise", depthwise.applicable(g, cg, group, dt)),
+                                     ("direct", direct.applicable(g, dt)),
                                      ("winograd", winograd.applicable(g)),
                                      ("pointwise", pointwise.applicable(g)),
                                      ("band", band.applicable(g, group)),
@@ -36,12 +40,14 @@ def candidates(g, cg, group, dt):
 
 
 _forced = threading.local()     # .shape, .passes, .engine: the engine being timed for a pass
+_looked = threading.local()     # .key: the measured choice the last lookup returned, or None
 
 
 def _engine(g, cg, og, group, n, dt, passes="forward"):
     """The engine a shape's pass runs on: a forced one, else the measured choice (calibrate)
     for that pass ("forward", or a calibrate.backward_pass), else the rule."""
     shape = (g.in_sp, g.kernel, g.stride, g.pad, g.dilation, cg, og, group)
+    _looked.key = None
     if getattr(_forced, "shape", None) == shape and _forced.passes == passes:
         return _forced.engine
     able = _candidates(g, cg, group, dt, native.mode())
@@ -49,11 +55,22 @@ def _engine(g, cg, og, group, n, dt, passes="forward"):
     if mode in able:
         return mode
     if mode != "measure" or n == 0:
-        return rule_engine(g, cg, og, group)
+        return rule_engine(g, cg, og, group, dt)
     key = _choice_key(g, cg, og, group, n, dt, passes, blas_threads())
     if calibrate.measuring():       # a pass run inside the one being timed: as it will run
-        return calibrate.cached(key, able) or rule_engine(g, cg, og, group)
-    return calibrate.choose(key, able, lambda: _timing_run(shape, n, dt, passes), key)
+        return calibrate.cached(key, able) or rule_engine(g, cg, og, group, dt)
+    engine = calibrate.choose(key, able, lambda: _timing_run(shape, n, dt, passes), key)
+    _looked.key = key
+    return engine
+
+
+def _observed(key, start):
+    """The pass of the measured choice `key` (or None) that began at `start` has ended: told
+    to calibrate.observe, which may drop a choice far slower in use than measured. Returns
+    whether it did."""
+    if key is None or calibrate.measuring():
+        return False
+    return calibrate.observe(key, time.perf_counter() - start)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -119,9 +136,9 @@ def conv_engines(in_spatial, w_shape, stride, pad, dilation, group, batch=None,
     the convolution's dx, its backward the dw (and, for its dx, the forward)."""
     g = geom(in_spatial, w_shape[2:], stride, pad, dilation)
     cg, og = w_shape[1], w_shape[0] // group
-    if batch is None:
-        return {"forward": (rule_engine(g, cg, og, group), None)}
     dt = np.dtype(dtype)
+    if batch is None:
+        return {"forward": (rule_engine(g, cg, og, group, dt), None)}
 
     def looked_up(passes):
         return calibrate.with_entry(lambda: _engine(g, cg, og, group, batch, dt, passes))
@@ -213,11 +230,14 @@ def conv_forward(x, w, b, stride, pad, dilation, group, out=None, relu=None, aft
     w = w.astype(dt, copy=False)
     y, final = _target(out, (n, o) + g.out, dt, "conv_forward")
     bias = None if b is None else np.asarray(b, dt).reshape(o)
-    if n and not _conv_forward_into(g, x, w, bias, y, group, dt, relu, after) \
-            and relu is not None:
-        relu_forward(y, y, relu)
-    if epilogue is not None:
-        apply_epilogue(y, epilogue)
+    if n:
+        start = time.perf_counter()
+        taken = _conv_forward_into(g, x, w, bias, y, group, dt, relu, after, epilogue)
+        _observed(getattr(_looked, "key", None), start)
+        if relu is not None and not taken:
+            relu_forward(y, y, relu)
+        if epilogue is not None and not taken:
+            apply_epilogue(y, epilogue)
     y = _deliver(y, final)
     if after is not None and not after.ran:
         after.run()
@@ -230,22 +250,94 @@ def prepare_conv_forward(x, w, stride, pad, dilation, group, y, epilogue=None):
     plan), with whatever x, w and the epilogue's arrays hold at the time of each call. The
     arrays are bound by identity: the caller keeps them (and their shapes) while it uses the
     call."""
-    def run():
-        conv_forward(x, w, None, stride, pad, dilation, group, out=y, epilogue=epilogue)
-    return run
-
-
-def _conv_forward_into(g, x, w, bias, y, group, dt, relu=None, after=None):
-    """Whether the engine took the ReLU `relu` (a negative_slope) too (and the step `after`:
-    after.ran)."""
+    x, w = np.asarray(x), np.asarray(w)
+    _check(x, w, group, "prepare_conv_forward")
+    n, c = x.shape[:2]
     o, cg = w.shape[:2]
-    engine = _engine(g, cg, o // group, group, x.shape[0], dt)
-    if engine == "direct":
-        return direct.forward(g, x, w, bias, y, group, dt, relu, after)
+    dt = _dtype(x, w)
+    g = geom(x.shape[2:], w.shape[2:], stride, pad, dilation)
+    if (c != cg * group or y.shape != (n, o) + g.out or y.dtype != dt or x.dtype != dt
+            or w.dtype != dt or not (y.flags.c_contiguous and x.flags.c_contiguous)):
+        def run():
+            conv_forward(x, w, None, stride, pad, dilation, group, out=y, epilogue=epilogue)
+        return run
+    if n == 0:
+        return lambda: None
+    return _Prepared(g, x, w, y, group, dt, epilogue)
+
+
+class _Prepared:
+    """prepare_conv_forward's call: the engine chosen once and its arguments bound; a pass
+    far slower than its engine measured (calibrate.observe) makes it choose again."""
+
+    def __init__(self, g, x, w, y, group, dt, epilogue):
+        self.bound = (g, x, w, y, group, dt, epilogue)
+        self._prepare()
+
+    def _prepare(self):
+        g, x, w, y, group, dt, epilogue = self.bound
+        o, cg = w.shape[:2]
+        engine = _engine(g, cg, o // group, group, x.shape[0], dt)
+        self.key = _looked.key
+        self.engine = engine
+        if engine == "depthwise" and w.flags.c_contiguous:
+            epi = EpilogueArgs(epilogue, o, dt)
+            call = depthwise.forward_call(g, x, w, y, group, dt, epi)
+            if epi.refresh is None:
+                self.run = call
+            else:
+                def run():
+                    epi.refresh()
+                    call()
+                self.run = run
+            return
+        finish = None
+        if epilogue is not None and not epilogue.is_identity:
+            finish = prepare_epilogue(y, EpilogueArgs(epilogue, o, dt)) \
+                if native.kernels(dt) is not None else (lambda: apply_epilogue(y, epilogue))
+        if engine == "pointwise":
+            conv = pointwise.prepare_forward(g, x, w, y, group)
+        else:
+            def conv():
+                _conv_forward_into(g, x, w, None, y, group, dt, engine=engine)
+        if finish is None:
+            self.run = conv
+            return
+
+        def run():
+            conv()
+            finish()
+        self.run = run
+
+    def __call__(self):
+        if self.key is None:
+            self.run()
+            return
+        start = time.perf_counter()
+        self.run()
+        if _observed(self.key, start):
+            self._prepare()
+
+
+def _conv_forward_into(g, x, w, bias, y, group, dt, relu=None, after=None, epilogue=None,
+                       engine=None):
+    """Whether the engine took the ReLU `relu` (a negative_slope) or the epilogue too (and the
+    step `after`: after.ran). `engine`: the one to run (default: the shape's choice)."""
+    o, cg = w.shape[:2]
+    if engine is None:
+        engine = _engine(g, cg, o // group, group, x.shape[0], dt)
+    if engine == "depthwise" and relu is None:
+        depthwise.forward(g, x, w, bias, y, group, dt, epilogue)
+        return True
+    if engine == "depthwise":
+        depthwise.forward(g, x, w, bias, y, group, dt)
+    elif engine == "direct":
+        taken = direct.forward(g, x, w, bias, y, group, dt, relu, after)
+        return taken and epilogue is None
     elif engine == "winograd":
         winograd.forward(x, w, bias, y, g.pad, group, dt)
     elif engine == "pointwise":
-        pointwise.forward(x, w, y, group)
+        pointwise.forward(x, w, y, group, g)
         if bias is not None:
             y += bias.reshape(_bias_shape(g.nd))
     elif engine == "band":
@@ -310,8 +402,10 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
         if before is not None:
             before.run()
         return None, None, None
+    start = time.perf_counter()
     engine = _engine(g, cg, og, group, n, dt, calibrate.backward_pass(need_dx, need_dw))
-    whole = engine in ("winograd", "direct") and n > 0       # dx written in full
+    key = _looked.key
+    whole = engine in ("winograd", "direct", "depthwise") and n > 0   # dx written in full
     if before is not None and not (whole and engine == "direct" and direct.takes_dy_step(
             g, w, group, need_dw, dt, before, dy)):
         before.run()        # a pass of its own, before anything reads dy
@@ -328,6 +422,9 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
                                             dx_relu, before)
         if need_db and db is None:
             db = bias_diff(dy, dt)
+    elif whole and engine == "depthwise":
+        dw = depthwise.backward(g, dy, x, w, dx, group, need_dw, dt)
+        db = bias_diff(dy, dt) if need_db else None
     elif whole:
         dw = winograd.backward(dy, x, w, dx, g.pad, group, need_dw, dt)
         db = bias_diff(dy, dt) if need_db else None
@@ -339,11 +436,12 @@ def _conv_backward(dy, x, x_shape, w, stride, pad, dilation, group,
         if n == 0:
             dw = np.zeros(w.shape, dt) if need_dw else None
         elif engine == "pointwise" and (need_dx or need_dw):
-            dw = pointwise.backward(np.ascontiguousarray(dy), x, w, dx, group, need_dw)
+            dw = pointwise.backward(np.ascontiguousarray(dy), x, w, dx, group, need_dw, g)
         elif need_dx or need_dw:
             dw = grid.backward(g, dy, x, w, dx, group, need_dw, dt)
     if dx_relu is not None and not relu_done:
         relu_backward(dx_relu[0], dx, dx, dx_relu[1])
+    _observed(key, start)
     return (None if dx is None else _deliver(dx, final)), dw, db
 
 

@@ -83,6 +83,9 @@ SIGNATURES = {
     "conv_rows_forward": "ppppp" + "i" * 18 + "pdi" + "pp",
     "conv_rows_dw": "ppppp" + "i" * 19 + "ppi",
     "conv_rows_block": "",
+    "conv_group_forward": "pp",
+    "conv_group_dw": "pp",
+    "apply_epilogue": "ppiiii",
 }
 
 #: Kernels another kernel runs on the images of its own loop (kernels.c's image_step): their

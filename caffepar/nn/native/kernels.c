@@ -110,6 +110,7 @@ i64 native_regs(void) { return NATIVE_REGS; }
 #pragma GCC optimize("fp-contract=fast")
 #include "conv.inc"
 #include "conv_rows.inc"
+#include "group.inc"
 #include "inner_product.inc"
 #pragma GCC pop_options
 #undef T
@@ -136,6 +137,7 @@ i64 native_regs(void) { return NATIVE_REGS; }
 #pragma GCC optimize("fp-contract=fast")
 #include "conv.inc"
 #include "conv_rows.inc"
+#include "group.inc"
 #include "inner_product.inc"
 #pragma GCC pop_options
 #undef T
