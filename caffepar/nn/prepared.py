@@ -82,7 +82,16 @@ def activation_call(y, ep):
 
 
 def epilogue_call(x, y, ep):
-    """y = act(x * scale + shift) per channel along axis 1 (x may be y), as one call."""
+    """y = act(x * scale + shift) per channel along axis 1 (x may be y), as one call: the
+    compiled epilogue of caffepar.nn.conv in place (after a copy where x is not y), else
+    NumPy's passes."""
+    from caffepar.nn.conv.epilogue import EpilogueArgs, prepare_epilogue
+    if ep is None or ep.is_identity:
+        return None if x is y else partial(np.copyto, y, x)
+    if native.kernels(y.dtype) is not None and y.flags.c_contiguous and y.ndim >= 2 \
+            and x.dtype == y.dtype:
+        finish = prepare_epilogue(y, EpilogueArgs(ep, y.shape[1], y.dtype))
+        return finish if x is y else sequence([partial(np.copyto, y, x), finish])
     calls = []
     src = x
     if ep is not None and ep.scale is not None:
