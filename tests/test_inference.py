@@ -672,3 +672,40 @@ def _shrunk(param, shrink):
         out.input_dim[2] = max(1, out.input_dim[2] // shrink)
         out.input_dim[3] = max(1, out.input_dim[3] // shrink)
     return out
+
+
+def test_caffepar_test_scores_as_without_the_plan(tmp_path, monkeypatch):
+    """`caffepar test` (run_test) on a TEST net with data, losses and accuracy: the same
+    scores with and without the plan."""
+    from caffepar.training import run_test
+    text = ('layer { name: "data" type: "DummyData" top: "data" top: "label" '
+            'dummy_data_param { shape { dim: 4 dim: 3 dim: 6 dim: 6 } shape { dim: 4 } '
+            'data_filler { type: "constant" value: 0.7 } data_filler { type: "constant" '
+            'value: 2 } } }\n') + conv("conv", "data", "c", 4, 3, p=1) + bn_scale_act("c", "c") + \
+        layer("fc", "InnerProduct", "c", "fc", "inner_product_param { num_output: 5 }") + \
+        layer("loss", "SoftmaxWithLoss", ["fc", "label"], "loss") + \
+        layer("acc", "Accuracy", ["fc", "label"], "acc", "include { phase: TEST }")
+    model = tmp_path / "net.prototxt"
+    model.write_text(text)
+    net = randomize(Net(P(text), phase=TEST))
+    net.save(str(tmp_path / "w.caffemodel"))
+    fused = run_test(str(model), str(tmp_path / "w.caffemodel"), 2)
+    monkeypatch.setenv("CAFFEPAR_INFERENCE", "off")
+    plain = run_test(str(model), str(tmp_path / "w.caffemodel"), 2)
+    assert set(fused) == {"loss", "acc"}
+    for name in fused:
+        np.testing.assert_allclose(fused[name], plain[name], rtol=1e-5)
+
+
+def test_a_blob_reshaped_by_hand_makes_a_new_plan():
+    text = inp(1, 3, 6, 6) + conv("conv", "data", "c", 4, 3, p=1) + bn_scale_act("c", "c") + \
+        layer("pool", "Pooling", "c", "p", "pooling_param { pool: MAX kernel_size: 2 }")
+    net, ref = fused_vs_unfused(text)
+    plan = net._plan
+    for n in (net, ref):
+        n.blobs["c"].reshape(1, 1, 2, 2)     # a forward reshapes it back, as a net's does
+    with ref.unfused():
+        ref.forward()
+    net.forward()
+    assert net._plan is not plan
+    assert_same_blobs(net, ref)

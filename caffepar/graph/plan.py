@@ -50,7 +50,7 @@ class InferencePlan:
             layer.relu_top = layer.step_top = None
             layer.reshape(self._bottoms(i), self._tops(i))
         self.kinds = {i: node.kind for node in nodes for i in node.layers}
-        self.copied = {}
+        self.copied, self.generic = {}, set()
         self._share(nodes)
         self.params = _EpilogueParams(net.dtype, sum(
             net.blob_list[net.top_ids[node.host][0]].shape[1] for node in nodes
@@ -212,6 +212,7 @@ class InferencePlan:
     def _generic(self, i):
         """Layer i as a net runs it; checks that it left the tops later layers read."""
         net = self.net
+        self.generic.add(i)
         layer, bottom, top = net.layers[i], self._bottoms(i), self._tops(i)
         read = {b for k in range(i + 1, self.end + 1) for b in net.bottom_ids[k]}
         checks = tuple((net.blob_list[t], net.blob_list[t].data) for t in net.top_ids[i]
@@ -257,18 +258,21 @@ class InferencePlan:
         return host.prepare_forward(bottom, top, epilogue=ep)
 
     def _watch(self, nodes):
-        """The arrays the plan is bound to that something outside it could replace: the
-        blobs the range reads but does not make, and every parameter of its layers."""
+        """The arrays the plan is bound to, which something outside it could replace (a
+        reshaped input, a blob reshaped by hand, weights shared with another net): every
+        blob of the range but the tops of layers that run as themselves (those may replace
+        their arrays at every forward, as DetectionOutput does; _generic checks the ones read
+        later), and every parameter of its layers."""
         net = self.net
-        made = set()
+        seen, blobs = set(), []
         for i in range(self.start, self.end + 1):
-            if self.kinds.get(i) != "free" or net.layers[i].type == "Dropout":
-                made.update(net.top_ids[i])
-        blobs = []
-        for i in range(self.start, self.end + 1):
-            blobs += [net.blob_list[b] for b in net.bottom_ids[i] if b not in made]
-            if self.kinds.get(i) == "free" and net.layers[i].type != "Dropout":
-                blobs += self._tops(i)
+            ids = list(net.bottom_ids[i])
+            if i not in self.generic:
+                ids += net.top_ids[i]
+            for b in ids:
+                if b not in seen:
+                    seen.add(b)
+                    blobs.append(net.blob_list[b])
             blobs += list(net.layers[i].blobs)
         self._watched = tuple(blobs)
         self._arrays = tuple(b.data for b in blobs)
