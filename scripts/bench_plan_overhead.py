@@ -250,9 +250,13 @@ def write(rows, args):
         w.writeheader()
         for r in rows:
             w.writerow({k: (f"{r[k]:.4f}" if isinstance(r[k], float) else r[k]) for k in fields})
-    threads = os.environ.get("OPENBLAS_NUM_THREADS", "all cores")
+    from caffepar.nn.blas import blas_threads
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    busy = " (a loaded machine: times are inflated and noisy; the ratios of one run hold " \
+        "better)" if load > 1.5 * (os.cpu_count() or 1) else ""
     md = [f"# Fixed cost per layer of a batch-1 TEST forward ({key})", "",
-          f"CPU: {cpu_name()}; threads: {threads}. Made by `python "
+          f"CPU: {cpu_name()}; {blas_threads()} threads; load average {load:.1f} at the end of "
+          f"the run{busy}. Made by `python "
           f"scripts/bench_plan_overhead.py --repeat {args.repeat} --layers {args.layers}`: "
           "medians of alternating rounds, the inference plan against the layer-by-layer "
           "forward (CAFFEPAR_INFERENCE=off) in one process.", "",

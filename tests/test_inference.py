@@ -709,3 +709,20 @@ def test_a_blob_reshaped_by_hand_makes_a_new_plan():
     net.forward()
     assert net._plan is not plan
     assert_same_blobs(net, ref)
+
+
+def test_time_of_a_net_whose_layer_replaces_its_tops(tmp_path, monkeypatch):
+    """Timed layer by layer (caffepar time --phase test), a layer that replaces its top array
+    ends the plan mid-pass: the next layer makes a new one, and the values stay right."""
+    from caffepar.timing import benchmark
+    (tmp_path / "user_plan_layers.py").write_text(PY_LAYER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    text = inp(1, 3, 4, 4) + conv("conv", "data", "c", 2) + bn_scale_act("c", "c") + \
+        layer("py", "Python", "c", "d", 'python_param { module: "user_plan_layers" '
+              'layer: "Doubler" }') + conv("after", "d", "e", 2) + layer("r", "ReLU", "e", "e")
+    net = randomize(Net(P(text), phase=TEST))
+    ref = randomize(Net(P(text), phase=TEST))
+    benchmark(net, 2)
+    with ref.unfused():
+        ref.forward()
+    assert_same_blobs(net, ref)

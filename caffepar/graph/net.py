@@ -553,8 +553,14 @@ class Net:
             if i == start or plan is None or plan.start != start or plan.end != end:
                 plan = self.inference_plan(start, end)
             if plan is not None:
+                from caffepar.graph.plan import StalePlan
                 self._planned_range = (start, end)
-                return plan.forward_layer(i, loss)
+                try:
+                    return plan.forward_layer(i, loss)
+                except StalePlan:           # layer i ran; the next one makes a new plan
+                    self._plan = None
+                    self._stale_plans += 1
+                    return loss + plan.layer_loss(i)
         layer = self.layers[i]
         bottoms = self._blobs_of(self.bottom_ids[i])
         tops = self._blobs_of(self.top_ids[i])

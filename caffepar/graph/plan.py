@@ -76,7 +76,7 @@ class InferencePlan:
 
     def forward(self):
         """Run the plan; the weighted loss of the range's tops. A StalePlan from a layer run
-        as itself propagates with the loss so far in `loss`."""
+        as itself propagates (that layer has run; the loss so far is _loss(layer))."""
         observers = self.net.observers
         with np.errstate(all="ignore"):     # as a net's forward: values are Caffe's to carry
             if self.refresh is not None:
@@ -100,12 +100,14 @@ class InferencePlan:
                 self.refresh()
             if call is not None:
                 call()
-        for j, blob in self.losses:
-            if j == i:
-                loss += float(np.vdot(blob.data, blob.diff))
+        loss += self.layer_loss(i)
         for o in observers:
             o.layer_end("forward", i)
         return loss
+
+    def layer_loss(self, i):
+        """The weighted loss of layer i's tops."""
+        return sum(float(np.vdot(blob.data, blob.diff)) for j, blob in self.losses if j == i)
 
     def _run_observed(self, observers):
         for call, layers in self.steps:
