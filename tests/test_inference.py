@@ -375,7 +375,10 @@ def test_densenet_chain_and_forks_bn():
     text += conv("u", "t", "u", 4) + layer("ubn", "BN", "u", "u", "bn_param { bn_mode: INFERENCE }")
     text += layer("ub", "Bias", "u", "u") + layer("uc", "Clip", "u", "u",
                                                  "clip_param { min: -0.5 max: 0.7 }")
+    text += conv("v", "u", "v", 3) + layer("vs", "Scale", "v", "v") + \
+        layer("vb", "BatchNorm", "v", "v")        # a Scale without bias, then a BatchNorm
     net, _ = fused_vs_unfused(text)
+    assert "epilogue v + vs + vb\n" in describe(net.inference_graph())
     assert np.shares_memory(net.blobs["cat0"].data, net.blobs["cat2"].data)
     assert describe(net.inference_graph()).count("epilogue") >= 5
 
