@@ -63,7 +63,8 @@ def _bsr(name, blob, act="ReLU", top=None):
 def chain(kind, count):
     """A net of `count` layers of one kind (and the few that feed them), on tiny blobs."""
     dims = " ".join(f"dim: {d}" for d in SHAPE)
-    text = f'layer {{ name: "data" type: "Input" top: "x0" input_param {{ shape {{ {dims} }} }} }}\n'
+    text = (f'layer {{ name: "data" type: "Input" top: "x0" '
+            f'input_param {{ shape {{ {dims} }} }} }}\n')
     groups = {"conv + BatchNorm + Scale + ReLU": 4, "depthwise conv + BN + Scale + ReLU6": 4,
               "BatchNorm + Scale + ReLU (not in place)": 3, "Concat of 2 + Slice": 2}
     per = groups.get(kind, 1)

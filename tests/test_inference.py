@@ -35,7 +35,8 @@ def lines(text):
 # ---------------------------------------------------------------- net text
 def inp(*shape, top="data"):
     dims = " ".join(f"dim: {d}" for d in shape)
-    return f'layer {{ name: "{top}" type: "Input" top: "{top}" input_param {{ shape {{ {dims} }} }} }}\n'
+    return (f'layer {{ name: "{top}" type: "Input" top: "{top}" '
+            f'input_param {{ shape {{ {dims} }} }} }}\n')
 
 
 def layer(name, kind, bottoms, tops, extra=""):
@@ -252,7 +253,8 @@ def test_mobilenet_v2_blocks():
                                                   (12, 12, 1, "DepthwiseConvolution")]):
         block, blob = inverted_residual(f"b{k}", blob, c_in, 3, c_out, stride, dw)
         text += block
-    text += layer("pool", "Pooling", blob, "pool", "pooling_param { pool: AVE global_pooling: true }")
+    text += layer("pool", "Pooling", blob, "pool",
+                  "pooling_param { pool: AVE global_pooling: true }")
     text += conv("fc", "pool", "fc", 10, 1) + layer("prob", "Softmax", "fc", "prob")
     net, _ = fused_vs_unfused(text)
     # The plan ran the in-place chains inside the convolutions.
@@ -496,7 +498,8 @@ class Recorder:
 
 def test_observers_hear_of_every_layer_and_backward_after_a_fused_forward():
     text = inp(2, 3, 6, 6) + conv("conv", "data", "c", 4, 3, p=1) + bn_scale_act("c", "c") + \
-        layer("pool", "Pooling", "c", "p", "pooling_param { pool: MAX kernel_size: 2 stride: 2 }") + \
+        layer("pool", "Pooling", "c", "p",
+              "pooling_param { pool: MAX kernel_size: 2 stride: 2 }") + \
         layer("fc", "InnerProduct", "p", "fc", "inner_product_param { num_output: 3 }") + \
         inp(2, 3, top="label") + layer("loss", "EuclideanLoss", ["fc", "label"], "loss")
     net = randomize(Net(P(text), phase=TEST))

@@ -1,9 +1,9 @@
 """Layers that move, combine or reduce blobs rather than transform single values: Softmax,
 Concat, Slice, Split, Eltwise, Flatten, Reshape, Crop, Tile, Reduction, Silence, ArgMax,
 BatchReindex, Filter, Parameter, Embed, Bias and Scale."""
-import numpy as np
-
 from functools import partial
+
+import numpy as np
 
 from caffepar.blob import canonical_axis
 from caffepar.nn.base import Layer, register
