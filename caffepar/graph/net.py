@@ -16,7 +16,9 @@ import numpy as np
 from caffepar.blob import Blob
 from caffepar.common import env
 from caffepar.errors import CaffeparError, NetError, PrototxtError, Where
+from caffepar.graph.inference import inference_graph
 from caffepar.graph.passes import filter_net, insert_splits
+from caffepar.graph.plan import InferencePlan, StalePlan
 from caffepar.nn import create_layer
 from caffepar.nn.base import check_layer_types
 from caffepar.proto import caffe_pb2
@@ -455,7 +457,6 @@ class Net:
         end = len(self.layers) - 1 if end is None else end
         plan = self.inference_plan(start, end)
         if plan is not None:
-            from caffepar.graph.plan import StalePlan
             self._planned_range = (start, end)
             try:
                 loss = plan.forward()
@@ -499,7 +500,6 @@ class Net:
     def inference_graph(self):
         """The inference rewrite of this net (caffepar.graph.inference), made once."""
         if self._graph is None:
-            from caffepar.graph.inference import inference_graph
             self._graph = inference_graph(self.param)
         return self._graph
 
@@ -513,7 +513,6 @@ class Net:
         plan = self._plan
         if plan is not None and plan.start == start and plan.end == end and plan.valid():
             return plan
-        from caffepar.graph.plan import InferencePlan
         self._plan = None
         self._plan = InferencePlan(self, self.inference_graph(), start, end)
         return self._plan
@@ -553,7 +552,6 @@ class Net:
             if i == start or plan is None or plan.start != start or plan.end != end:
                 plan = self.inference_plan(start, end)
             if plan is not None:
-                from caffepar.graph.plan import StalePlan
                 self._planned_range = (start, end)
                 try:
                     return plan.forward_layer(i, loss)
