@@ -732,3 +732,33 @@ def test_time_of_a_net_whose_layer_replaces_its_tops(tmp_path, monkeypatch):
     with ref.unfused():
         ref.forward()
     assert_same_blobs(net, ref)
+
+
+def test_layers_with_prepared_calls_as_their_forward():
+    """Each layer type's prepared call (Layer.prepare_forward) against its forward, in
+    the configurations the nets above do not use."""
+    text = inp(2, 4, 6, 6) + inp(2, 4, top="w") + conv("c", "data", "c", 4, 3, p=1)
+    text += layer("prod", "Eltwise", ["c", "data", "c"], "prod",
+                  "eltwise_param { operation: PROD }")
+    text += layer("coef", "Eltwise", ["c", "data"], "coef",
+                  "eltwise_param { operation: SUM coeff: 0.5 coeff: -2 }")
+    text += layer("max", "Eltwise", ["c", "data"], "max", "eltwise_param { operation: MAX }")
+    text += layer("small", "Pooling", "max", "small",
+                  "pooling_param { pool: AVE kernel_size: 2 stride: 2 }")
+    text += layer("crop", "Crop", ["coef", "small"], "crop", "crop_param { axis: 2 offset: 1 }")
+    text += layer("se", "Scale", ["coef", "w"], "se", "scale_param { axis: 0 }")
+    text += layer("sb", "Bias", ["se", "w"], "sb", "bias_param { axis: 0 }")
+    text += layer("s0", "Scale", "sb", "s0",
+                  "scale_param { axis: 0 num_axes: 0 bias_term: true }")
+    text += layer("r6", "ReLU6", "s0", "r6") + layer("cl", "Clip", "s0", "cl",
+                                                   "clip_param { min: -1 max: 0.5 }")
+    text += layer("lk", "ReLU", "s0", "lk", "relu_param { negative_slope: -0.3 }")
+    text += layer("sig", "Sigmoid", "lk", "sig") + layer("th", "TanH", "lk", "th")
+    text += layer("abs", "AbsVal", "th", "abs") + layer("pr", "PReLU", "th", "pr",
+                                                       "prelu_param { channel_shared: true }")
+    text += layer("sm", "Softmax", "pr", "sm", "softmax_param { axis: 2 }")
+    text += layer("mp", "Pooling", "sm", ["mp", "mask"], "pooling_param { pool: MAX "
+                  "kernel_size: 3 stride: 2 pad: 1 }")
+    text += layer("dc", "Deconvolution", "mp", "dc", "convolution_param { num_output: 2 "
+                  "kernel_size: 2 stride: 2 }")
+    fused_vs_unfused(text)
