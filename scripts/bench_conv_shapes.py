@@ -86,6 +86,7 @@ def layer_after(layers, i, top):
 
 def caffepar_call(key, batch, rng):
     from caffepar.nn import conv as cm
+    from caffepar.nn.conv import geometry
     from caffepar.nn.conv.epilogue import Epilogue
     c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, group, act = key
     x = rng.standard_normal((batch, c, h, w), dtype=np.float32)
@@ -97,13 +98,14 @@ def caffepar_call(key, batch, rng):
                   act=None if act == "none" else act, lo=0.0, hi=6.0)
     run = cm.prepare_conv_forward(x, wt, (sh, sw), (ph, pw), (dh, dw), group, y, ep)
     run()
-    return run, getattr(run, "engine", "?"), (x, wt, ep, y)
+    from caffepar.nn.conv import dispatch
+    engine = dispatch._engine(geometry.geom((h, w), (kh, kw), (sh, sw), (ph, pw), (dh, dw)),
+                              c // group, o // group, group, batch, np.dtype(np.float32))
+    return run, engine, (x, wt, ep, y)
 
 
 def ort_call(key, batch, rng, threads):
-    import onnx
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
     c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, group, act = key
     wt = (rng.standard_normal((o, c // group, kh, kw)) * 0.1).astype(np.float32)
     b = rng.standard_normal(o).astype(np.float32)
@@ -129,7 +131,6 @@ def ort_fixed(threads):
 
 
 def _session(nodes, inits, x, threads):
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
     graph = helper.make_graph(nodes, "g",
@@ -195,7 +196,8 @@ def main():
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: the calling thread's CPU time, with --threads 1: what each "
                          "run computes, whatever other load shares the cores")
-    ap.add_argument("--only", default="", help="nets whose file name contains this")
+    ap.add_argument("--only", nargs="*", default=[],
+                    help="nets whose file name contains one of these")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / f"conv_shapes_{cpu_key()}")
     ap.add_argument("--fresh", action="store_true", help="measure rows already in the CSV again")
     args = ap.parse_args()
@@ -206,7 +208,7 @@ def main():
     set_blas_threads(args.threads)
     shapes = {}
     for path in sorted(args.nets_dir.glob("*.prototxt")):
-        if args.only and args.only not in path.name:
+        if args.only and not any(part in path.name for part in args.only):
             continue
         try:
             found = net_shapes(path)
@@ -217,6 +219,12 @@ def main():
             entry = shapes.setdefault(key, {"nets": set(), "layers": []})
             entry["nets"].add(path.stem)
             entry["layers"].append(f"{path.stem}:{layer}")
+    per_net = {}        # shape name -> {net: layers of that shape}
+    for key, entry in shapes.items():
+        counts = per_net.setdefault(shape_name(key), {})
+        for layer in entry["layers"]:
+            net = layer.split(":", 1)[0]
+            counts[net] = counts.get(net, 0) + 1
     print(f"{len(shapes)} distinct convolution shapes in {args.nets_dir}", flush=True)
     done = {} if args.fresh else read_done(args.out.with_suffix(".csv"))
     rows = []
@@ -250,23 +258,24 @@ def main():
             print(f"b{batch} {name:<40} {engine:<10} caffepar {row['caffepar_us']:>9.1f} us  "
                   f"ort {row['ort_us']:>9.1f} us (fixed {row['ort_fixed_us']:.1f})  "
                   f"x{row['ratio']:.2f}", flush=True)
-            write(args, rows)
-    write(args, rows)
+            write(args, rows, per_net)
+    write(args, rows, per_net)
 
 
-def write(args, rows):
+def write(args, rows, per_net):
     from caffepar.nn.blas import blas_threads
     if not rows:
         return
-    lines = [f"# Convolution shapes of published nets: caffepar vs onnxruntime",
+    lines = ["# Convolution shapes of published nets: caffepar vs onnxruntime",
              "",
              f"CPU: {cpu_name()}; {args.threads} threads each (caffepar's BLAS threads: "
              f"{blas_threads()}); times are "
              + ("wall-clock" if args.clock == "wall" else "the calling thread's CPU time")
              + f". Command: `python scripts/bench_conv_shapes.py --nets-dir DIR --batch "
-             f"{' '.join(map(str, args.batch))} --rounds {args.rounds} --threads "
-             f"{args.threads} --clock {args.clock}`" + (f" --only {args.only}" if args.only
-                                                        else "") + ".",
+             f"{' '.join(map(str, args.batch))} --rounds {args.rounds} --budget {args.budget} "
+             f"--threads {args.threads} --clock {args.clock}"
+             + (f" --only {' '.join(args.only)}" if args.only else "") + "` (DIR: the "
+             "published deploy prototxts, fetched outside the repository).",
              "",
              "Each time is the fastest median of alternating rounds; caffepar's is a prepared "
              "forward with the epilogue (scale, shift, activation), onnxruntime's a one-node "
@@ -282,6 +291,16 @@ def write(args, rows):
                   f"All layers of all nets (each shape times its layer count): caffepar "
                   f"{ours / 1e3:.1f} ms, onnxruntime {theirs / 1e3:.1f} ms "
                   f"(x{ours / max(theirs, 1e-9):.2f}).", "",
+                  "| net | convolutions | caffepar ms | onnxruntime ms | ratio |",
+                  "|---|---|---|---|---|"]
+        nets = sorted({n for r in sel for n in per_net.get(r["shape"], {})})
+        for net in nets:
+            mine = [(r, per_net[r["shape"]][net]) for r in sel if net in per_net[r["shape"]]]
+            a = sum(float(r["caffepar_us"]) * k for r, k in mine)
+            b = sum((float(r["ort_us"]) - float(r["ort_fixed_us"])) * k for r, k in mine)
+            lines.append(f"| {net} | {sum(k for _, k in mine)} | {a / 1e3:.2f} | "
+                         f"{b / 1e3:.2f} | {a / max(b, 1e-9):.2f} |")
+        lines += ["",
                   "| shape | layers | MMACs | engine | caffepar us | onnxruntime us | fixed us "
                   "| ratio | nets |", "|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(sel, key=lambda r: -float(r["caffepar_us"]) * int(r["layers"])):

@@ -274,7 +274,7 @@ class _Quiet:
 
 
 def _loaded_runs(monkeypatch, disturbed):
-    """timing() for calibrate.choose: engine "direct" truly takes 2 ms and "grid" 6 ms, but
+    """timing() for calibrate.choose: engine "direct" truly takes 2 ms and "grid" 20 ms, but
     the runs `disturbed(engine, n)` names (n-th run of that engine) take 30 ms more, spent
     waiting for a core, as schedstat then reports; returns the runs made."""
     import time
@@ -287,7 +287,7 @@ def _loaded_runs(monkeypatch, disturbed):
 
     def run(engine):
         runs.append(engine)
-        time.sleep(0.002 if engine == "direct" else 0.006)
+        time.sleep(0.002 if engine == "direct" else 0.02)
         if disturbed(engine, runs.count(engine)):
             time.sleep(0.03)
             waited[0] += 0.03
@@ -331,12 +331,24 @@ def test_choice_far_slower_in_use_is_measured_again(cache, monkeypatch):
     timing, runs, quiet = _loaded_runs(monkeypatch, lambda e, n: False)
     assert calibrate.choose("shape", ["direct", "grid"], timing, "test") == "direct"
     made = len(runs)
-    slow = calibrate.STRAY * 0.002 * 2
+    measured = calibrate._watch["shape"][0]
+    slow = calibrate.STRAY * measured * 2
     assert not calibrate.observe("shape", slow)
-    assert not calibrate.observe("shape", 0.002)        # back to normal: the count restarts
+    assert not calibrate.observe("shape", measured)     # back to normal: the count restarts
     quiet.busy = True
     assert not any(calibrate.observe("shape", slow) for _ in range(calibrate.STRAY_RUNS))
     quiet.busy = False
     assert [calibrate.observe("shape", slow) for _ in range(calibrate.STRAY_RUNS)][-1]
     assert calibrate.choose("shape", ["direct", "grid"], timing, "test") == "direct"
     assert len(runs) > made
+
+
+def test_disturbed_choice_keeps_the_rules_engine_unless_clearly_beaten(cache, monkeypatch):
+    """Every run disturbed: a measured winner less than FALLBACK_MARGIN times faster than the
+    rules' engine does not replace it; one far faster does."""
+    timing, runs, _ = _loaded_runs(monkeypatch, lambda e, n: True)
+    # grid (the fallback) 20 ms + 30 ms disturbed, direct 2 ms + 30: direct 1.5x faster only
+    assert calibrate.choose("a", ["direct", "grid"], timing, "test", fallback="grid") == "grid"
+    timing, runs, _ = _loaded_runs(monkeypatch, lambda e, n: e == "grid")
+    assert calibrate.choose("b", ["direct", "grid"], timing, "test",
+                            fallback="grid") == "direct"

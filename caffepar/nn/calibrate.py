@@ -23,9 +23,10 @@ No pathological engine: a busy machine (other processes on the cores) once made 
 measurement keep a path 100x slower than the best for good (MobileNet v2's conv2_1/expand:
 90-228 ms in use against 0.8 ms on the right engine). So each timing run reads how long the
 process's threads waited for a core meanwhile (the kernel's schedstat); a run that waited
-DISTURBED of its time or more is run again (RETRIES), and a choice some of whose timings stayed
-disturbed is provisional: kept in memory, not in the cache file, and measured again once the
-cores are quiet (at most REMEASURES times). A choice in use is also watched (``observe``): a
+DISTURBED of its time or more is run again (RETRIES; not while the cores stay contended, when
+runs again would fare alike), and a choice some of whose timings stayed disturbed is provisional: kept in memory, not in the cache file, and measured again once the
+cores are quiet (at most REMEASURES times), and meanwhile the fixed rules' engine is kept unless
+the measured winner beat it by FALLBACK_MARGIN. A choice in use is also watched (``observe``): a
 pass that takes STRAY times what its engine measured, STRAY_RUNS times in a row on cores that
 are not contended, is measured again.
 
@@ -66,6 +67,10 @@ RETRIES = 3
 STRAY = 8.0
 #: ... this many times in a row, on cores not contended, has its engine measured again.
 STRAY_RUNS = 3
+#: Where timing runs stayed disturbed, a winner must be this many times faster than the fixed
+#: rules' engine to be chosen over it (the second engine the noisy measurement is checked
+#: against: a busy spell once made the grid engine win a depthwise layer it runs 10x slower).
+FALLBACK_MARGIN = 2.0
 #: Measurements of one shape again (disturbed or strayed), at most, per process.
 REMEASURES = 2
 
@@ -182,10 +187,12 @@ def cached(key, candidates):
     return None if entry is None else entry["engine"]
 
 
-def choose(key, candidates, timing, describe):
+def choose(key, candidates, timing, describe, fallback=None):
     """The engine for a shape's pass: cached, or the fastest of `candidates` measured now and
     cached; timing() makes run(engine), that one pass (it may look up or measure the passes
-    it runs inside it first). `describe` names the shape in the log."""
+    it runs inside it first). `describe` names the shape in the log. `fallback`, an engine
+    of the candidates (the fixed rules' choice), is kept over a measured winner less than
+    FALLBACK_MARGIN times faster where timing runs stayed disturbed."""
     if len(candidates) == 1:
         _last.entry = {"engine": candidates[0], "ms": {}}
         return candidates[0]
@@ -206,6 +213,9 @@ def choose(key, candidates, timing, describe):
         release_workspace()
         _measured[0] += 1
         engine = _pick(times, candidates)
+        if (_disturbed.count and fallback in times and engine != fallback
+                and times[engine] * FALLBACK_MARGIN > times[fallback]):
+            engine = fallback       # the busy spell may have fallen on the fallback's runs
         log.info("Convolution %s: engine %s (%s; measured once in %.1f s)", describe, engine,
                  ", ".join(f"{e} {1e3 * t:.1f} ms" for e, t in sorted(times.items(),
                                                                       key=lambda i: i[1])),
@@ -235,6 +245,12 @@ def _remeasure_now(key):
 
 
 _watch = {}     # key -> [measured seconds of the chosen engine, strays in a row, re-measures]
+
+
+def watched_seconds(key):
+    """What the choice `key` measured (its engine's seconds), or 0 when it is not watched."""
+    watch = _watch.get(key)
+    return watch[0] if watch else 0.0
 
 
 def observe(key, seconds):
@@ -376,7 +392,7 @@ def _timed(run, engine):
             _disturbed.count = getattr(_disturbed, "count", 0) + 1
         return time.perf_counter() - t0
     best = None
-    for _ in range(RETRIES + 1):
+    for attempt in range(RETRIES + 1):
         w0 = _waited()
         t0 = time.perf_counter()
         run(engine)
@@ -385,5 +401,7 @@ def _timed(run, engine):
         best = wall if best is None else min(best, wall)
         if w0 is None or w1 is None or w1 - w0 < DISTURBED * wall:
             return best
+        if attempt == 0 and cores_contended():
+            break       # a lasting load, not a spell: runs again would be disturbed alike
     _disturbed.count = getattr(_disturbed, "count", 0) + 1
     return best

@@ -40,9 +40,15 @@ GW = {name: i for i, name in enumerate(
     "x dy dw n cin hi wi groups cg og kh kw sh sw dh dw ph pw ho wo cout".split())}
 
 
+#: Strides up to this: dx runs on dy spread over the stride grid, stride^2 the work (an FCN's
+#: stride-32 upsampling Deconvolution, a dx pass, would do 1024x its multiply-adds).
+MAX_STRIDE = 2
+
+
 def applicable(g, cg, group, dt):
-    """2-D grouped layers (group > 1) on the compiled kernels."""
-    return g.nd == 2 and group > 1 and native.kernels(dt) is not None
+    """2-D grouped layers (group > 1) of strides up to MAX_STRIDE, on the compiled kernels."""
+    return (g.nd == 2 and group > 1 and max(g.stride) <= MAX_STRIDE
+            and native.kernels(dt) is not None)
 
 
 def usable(g, cg, group, dt):
@@ -98,7 +104,11 @@ class Call:
         self.items, self.macs = items, macs
 
     def __call__(self):
-        threads = min(blas_threads(), self.items, max(1, self.macs // THREAD_MIN_MACS))
+        if self.macs < 2 * THREAD_MIN_MACS:
+            if self.fn(self.address, None) < 0:
+                raise MemoryError("depthwise convolution: no memory for a work buffer")
+            return
+        threads = min(blas_threads(), self.items, self.macs // THREAD_MIN_MACS)
         if threads <= 1:
             result = [self.fn(self.address, None)]
         else:

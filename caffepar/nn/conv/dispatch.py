@@ -39,6 +39,9 @@ def candidates(g, cg, group, dt):
     return found + ["grid"]
 
 
+#: A prepared forward whose engine measured at least this many seconds is watched in use.
+WATCH_MIN = 20e-6
+
 _forced = threading.local()     # .shape, .passes, .engine: the engine being timed for a pass
 _looked = threading.local()     # .key: the measured choice the last lookup returned, or None
 
@@ -59,7 +62,8 @@ def _engine(g, cg, og, group, n, dt, passes="forward"):
     key = _choice_key(g, cg, og, group, n, dt, passes, blas_threads())
     if calibrate.measuring():       # a pass run inside the one being timed: as it will run
         return calibrate.cached(key, able) or rule_engine(g, cg, og, group, dt)
-    engine = calibrate.choose(key, able, lambda: _timing_run(shape, n, dt, passes), key)
+    engine = calibrate.choose(key, able, lambda: _timing_run(shape, n, dt, passes), key,
+                              rule_engine(g, cg, og, group, dt))
     _looked.key = key
     return engine
 
@@ -263,7 +267,8 @@ def prepare_conv_forward(x, w, stride, pad, dilation, group, y, epilogue=None):
         return run
     if n == 0:
         return lambda: None
-    return _Prepared(g, x, w, y, group, dt, epilogue)
+    prepared = _Prepared(g, x, w, y, group, dt, epilogue)
+    return prepared if prepared.key is not None else prepared.run
 
 
 class _Prepared:
@@ -278,7 +283,8 @@ class _Prepared:
         g, x, w, y, group, dt, epilogue = self.bound
         o, cg = w.shape[:2]
         engine = _engine(g, cg, o // group, group, x.shape[0], dt)
-        self.key = _looked.key
+        # watched in use (calibrate.observe) unless it measured too fast to be worth a check
+        self.key = _looked.key if calibrate.watched_seconds(_looked.key) >= WATCH_MIN else None
         self.engine = engine
         if engine == "depthwise" and w.flags.c_contiguous:
             epi = EpilogueArgs(epilogue, o, dt)
