@@ -10,9 +10,13 @@ layer-by-layer forward (CAFFEPAR_INFERENCE=off), in one process, alternating.
   the type of the layer it runs (the host of an epilogue), to show where a layer's fixed cost
   goes (a convolution's is the prepared call of caffepar.nn.conv).
 
-Times are medians of --repeat alternating rounds. Writes OUT_<cpu>.csv and OUT_<cpu>.md.
+Times are medians of --repeat alternating rounds, both wall-clock and the CPU time of the
+thread running the forward (on a machine shared with other loads the wall-clock time holds the
+waits for a core; the CPU time is what the forward itself costs), on --threads threads
+(default 1, where the thread's CPU time is all of it: at batch 1 on tiny blobs there is no
+work to share). Writes OUT_<cpu>.csv and OUT_<cpu>.md.
 
-    python scripts/bench_plan_overhead.py [--nets-dir DIR] [--only RFB-320 ...]
+    python scripts/bench_plan_overhead.py [--nets-dir DIR] [--only RFB-320 ...] [--threads 1]
                                           [--repeat 15] [--layers 60] [--out results/plan_overhead]
 """
 import argparse
@@ -130,24 +134,28 @@ def randomize(net, seed=0):
 
 
 def timed(net, repeat):
-    """(fused ms, unfused ms): medians of alternating forwards (after two of each)."""
+    """{"fused_ms", "unfused_ms", "fused_cpu_ms", "unfused_cpu_ms"}: medians of alternating
+    forwards (after two of each), wall-clock and CPU time."""
     for _ in range(2):
         net.forward()
         with net.unfused():
             net.forward()
-    times = {True: [], False: []}
-    clock = time.perf_counter
+    wall, cpu = {True: [], False: []}, {True: [], False: []}
+    clock, cpu_clock = time.perf_counter, time.thread_time
     for _ in range(repeat):
         for fused in (True, False):
             if fused:
-                t0 = clock()
+                c0, t0 = cpu_clock(), clock()
                 net.forward()
             else:
                 with net.unfused():
-                    t0 = clock()
+                    c0, t0 = cpu_clock(), clock()
                     net.forward()
-            times[fused].append(clock() - t0)
-    return float(np.median(times[True]) * 1e3), float(np.median(times[False]) * 1e3)
+            wall[fused].append(clock() - t0)
+            cpu[fused].append(cpu_clock() - c0)
+    ms = lambda v: float(np.median(v) * 1e3)     # noqa: E731
+    return {"fused_ms": ms(wall[True]), "unfused_ms": ms(wall[False]),
+            "fused_cpu_ms": ms(cpu[True]), "unfused_cpu_ms": ms(cpu[False])}
 
 
 def shrunk(param, side):
@@ -166,11 +174,11 @@ def shrunk(param, side):
 
 
 def step_costs(net, calls=200):
-    """{layer type: (steps, mean us per call)} of the net's plan, each step called alone."""
+    """{layer type: (steps, mean CPU us per call)} of the net's plan, each step called alone."""
     net.forward()
     plan = net._plan
     by_type = defaultdict(list)
-    clock = time.perf_counter
+    clock = time.thread_time
     with np.errstate(all="ignore"):
         for call, layers in plan.steps:
             if call is None:
@@ -197,20 +205,23 @@ def main():
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--layers", type=int, default=60)
     ap.add_argument("--tiny", type=int, default=8, help="side divisor of the tiny nets")
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "results" / "plan_overhead"))
     args = ap.parse_args()
     from caffepar.nn import native
+    from caffepar.nn.blas import set_blas_threads
+    set_blas_threads(args.threads)
     folder = Path(args.nets_dir) if args.nets_dir else native.cache_dir() / "published_nets"
     rows = []
     for kind in KINDS:
         text = chain(kind, args.layers)
         net = randomize(Net(text_format.Parse(text, caffe_pb2.NetParameter()), phase=TEST))
-        fused, unfused = timed(net, args.repeat)
+        t = timed(net, args.repeat)
         n = len(net.layers) - 1         # the Input layer runs nothing either way
         rows.append(dict(section="kinds", name=kind, input=inputs_text(net), layers=n,
-                         steps=len(net._plan.calls), fused_ms=fused, unfused_ms=unfused))
-        print(f"{kind:45s} {1e3 * fused / n:7.2f} us/layer fused {1e3 * unfused / n:7.2f} "
-              "unfused", flush=True)
+                         steps=len(net._plan.calls), **t))
+        print(f"{kind:45s} CPU {1e3 * t['fused_cpu_ms'] / n:7.2f} us/layer planned, "
+              f"{1e3 * t['unfused_cpu_ms'] / n:7.2f} layer by layer", flush=True)
     steps = {}
     for stem in args.only or DEFAULT_NETS:
         path = folder / f"{stem}.prototxt"
@@ -225,19 +236,21 @@ def main():
             except Exception as e:      # a net whose layers need its own input size
                 print(f"{stem} at 1/{side} side: {e}", flush=True)
                 continue
-            fused, unfused = timed(net, args.repeat)
+            t = timed(net, args.repeat)
             n = len(net.layers)
             name = stem if side == 1 else f"{stem} (tiny input)"
             rows.append(dict(section="nets", name=name, input=inputs_text(net), layers=n,
-                             steps=len(net._plan.calls), fused_ms=fused, unfused_ms=unfused))
-            print(f"{name:45s} {fused:8.2f} ms fused {unfused:8.2f} ms unfused, "
-                  f"{1e3 * fused / n:7.2f} us/layer", flush=True)
+                             steps=len(net._plan.calls), **t))
+            print(f"{name:45s} CPU {t['fused_cpu_ms']:8.2f} ms planned, "
+                  f"{t['unfused_cpu_ms']:8.2f} layer by layer; wall {t['fused_ms']:8.2f} / "
+                  f"{t['unfused_ms']:8.2f}", flush=True)
             if side != 1:
                 steps[stem] = step_costs(net)
     for stem, costs in steps.items():
         for kind, (count, us) in sorted(costs.items(), key=lambda kv: -kv[1][1]):
             rows.append(dict(section="steps", name=f"{stem}: {kind}", input="", layers="",
-                             steps=count, fused_ms=us / 1e3, unfused_ms=""))
+                             steps=count, fused_ms="", unfused_ms="", fused_cpu_ms=us / 1e3,
+                             unfused_cpu_ms=""))
     write(rows, args)
 
 
@@ -245,7 +258,8 @@ def write(rows, args):
     key = cpu_key()
     out = Path(f"{args.out}_{key}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fields = ["section", "name", "input", "layers", "steps", "fused_ms", "unfused_ms"]
+    fields = ["section", "name", "input", "layers", "steps", "fused_cpu_ms", "unfused_cpu_ms",
+              "fused_ms", "unfused_ms"]
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
@@ -256,33 +270,39 @@ def write(rows, args):
     busy = " (a loaded machine: times are inflated and noisy; the ratios of one run hold " \
         "better)" if load > 1.5 * (os.cpu_count() or 1) else ""
     md = [f"# Fixed cost per layer of a batch-1 TEST forward ({key})", "",
-          f"CPU: {cpu_name()}; {blas_threads()} threads; load average {load:.1f} at the end of "
-          f"the run{busy}. Made by `python "
-          f"scripts/bench_plan_overhead.py --repeat {args.repeat} --layers {args.layers}`: "
-          "medians of alternating rounds, the inference plan against the layer-by-layer "
-          "forward (CAFFEPAR_INFERENCE=off) in one process.", "",
+          f"CPU: {cpu_name()}; {blas_threads()} thread(s); load average {load:.1f} at the end "
+          f"of the run{busy}. Made by `python scripts/bench_plan_overhead.py --threads "
+          f"{args.threads} --repeat {args.repeat} --layers {args.layers}`: medians of "
+          "alternating rounds, the inference plan against the layer-by-layer forward "
+          "(CAFFEPAR_INFERENCE=off) in one process; CPU: the forward's thread's CPU time, wall: "
+          "wall-clock time.", "",
           "## Chains of one kind on 1 x 8 x 4 x 4 blobs (kernels cost next to nothing)", "",
-          "| layers | count | plan steps | plan, us per layer | layer by layer, us per layer |",
-          "|---|---:|---:|---:|---:|"]
+          "| layers | count | plan steps | plan, CPU us per layer | layer by layer, CPU us per "
+          "layer | plan, wall us per layer | layer by layer, wall us per layer |",
+          "|---|---:|---:|---:|---:|---:|---:|"]
+    per = lambda r, k: 1e3 * r[k] / r["layers"]        # noqa: E731
     for r in rows:
         if r["section"] == "kinds":
             md.append(f"| {r['name']} | {r['layers']} | {r['steps']} | "
-                      f"{1e3 * r['fused_ms'] / r['layers']:.2f} | "
-                      f"{1e3 * r['unfused_ms'] / r['layers']:.2f} |")
+                      f"{per(r, 'fused_cpu_ms'):.2f} | {per(r, 'unfused_cpu_ms'):.2f} | "
+                      f"{per(r, 'fused_ms'):.2f} | {per(r, 'unfused_ms'):.2f} |")
     md += ["", "## Published nets at batch 1 (random weights)", "",
-           "| net | input | layers | plan steps | plan ms | layer by layer ms | ratio | "
-           "plan, us per layer |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+           "| net | input | layers | plan steps | plan CPU ms | layer by layer CPU ms | ratio | "
+           "plan, CPU us per layer | plan wall ms | layer by layer wall ms |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r["section"] == "nets":
             md.append(f"| {r['name']} | {r['input']} | {r['layers']} | {r['steps']} | "
-                      f"{r['fused_ms']:.2f} | {r['unfused_ms']:.2f} | "
-                      f"{r['unfused_ms'] / r['fused_ms']:.2f} | "
-                      f"{1e3 * r['fused_ms'] / r['layers']:.1f} |")
+                      f"{r['fused_cpu_ms']:.2f} | {r['unfused_cpu_ms']:.2f} | "
+                      f"{r['unfused_cpu_ms'] / r['fused_cpu_ms']:.2f} | "
+                      f"{per(r, 'fused_cpu_ms'):.1f} | {r['fused_ms']:.2f} | "
+                      f"{r['unfused_ms']:.2f} |")
     md += ["", "## Where a tiny net's steps go: each step called alone, by the type of the "
-           "layer it runs", "", "| net: step type | steps | us per call |", "|---|---:|---:|"]
+           "layer it runs (CPU time)", "", "| net: step type | steps | us per call |",
+           "|---|---:|---:|"]
     for r in rows:
         if r["section"] == "steps":
-            md.append(f"| {r['name']} | {r['steps']} | {1e3 * r['fused_ms']:.2f} |")
+            md.append(f"| {r['name']} | {r['steps']} | {1e3 * r['fused_cpu_ms']:.2f} |")
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print(f"wrote {out.with_suffix('.csv')} and {out.with_suffix('.md')}")
 

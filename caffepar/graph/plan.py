@@ -159,7 +159,8 @@ class InferencePlan:
                 i = node.host
                 bottom = net.blob_list[net.bottom_ids[i][0]]
                 for t in self._tops(i):
-                    view = view_as(bottom.data, t.shape)
+                    view = bottom.data if t.shape == bottom.shape else \
+                        view_as(bottom.data, t.shape)
                     if view is None:        # no view of that shape: the layer copies
                         self.kinds[i] = "layer"
                         break
@@ -264,12 +265,16 @@ class InferencePlan:
         reshaped input, a blob reshaped by hand, weights shared with another net): every
         blob of the range but the tops of layers that run as themselves (those may replace
         their arrays at every forward, as DetectionOutput does; _generic checks the ones read
-        later), and every parameter of its layers."""
+        later) and the tops that share their bottom's data (a forward layer by layer points
+        them at it again, as a new view of the same data), and every parameter of its
+        layers."""
         net = self.net
         seen, blobs = set(), []
+        shared = {t for i in range(self.start, self.end + 1) if self.kinds.get(i) == "share"
+                  for t in net.top_ids[i]}
         for i in range(self.start, self.end + 1):
-            ids = list(net.bottom_ids[i])
-            if i not in self.generic:
+            ids = [b for b in net.bottom_ids[i] if b not in shared]
+            if i not in self.generic and self.kinds.get(i) != "share":
                 ids += net.top_ids[i]
             for b in ids:
                 if b not in seen:
