@@ -94,10 +94,10 @@ def epilogue_call(x, y, ep):
         return finish if x is y else sequence([partial(np.copyto, y, x), finish])
     calls = []
     src = x
-    if ep is not None and ep.scale is not None:
+    if ep.scale is not None:
         calls.append(partial(np.multiply, src, per_channel(ep.scale, x.ndim), out=y))
         src = y
-    if ep is not None and ep.shift is not None:
+    if ep.shift is not None:
         calls.append(partial(np.add, src, per_channel(ep.shift, x.ndim), out=y))
         src = y
     if src is not y:
