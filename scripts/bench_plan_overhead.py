@@ -159,9 +159,17 @@ def timed(net, repeat):
 
 
 def shrunk(param, side):
-    """The net with its 4-D inputs' height and width divided by `side`."""
+    """The net with its 4-D inputs' height and width divided by `side` (and, when it is
+    shrunk, a pooling with a window of 7 or more made global, as the last pooling of a
+    classifier is at its own size)."""
     out = caffe_pb2.NetParameter()
     out.CopyFrom(param)
+    for lp in out.layer:
+        p = lp.pooling_param
+        if side > 1 and lp.type == "Pooling" and max(p.kernel_size, p.kernel_h) >= 7:
+            for field in ("kernel_size", "kernel_h", "kernel_w", "stride", "pad"):
+                p.ClearField(field)
+            p.global_pooling = True
     shapes = [s for l in out.layer if l.type == "Input" for s in l.input_param.shape]
     shapes += list(out.input_shape)
     for s in shapes:
