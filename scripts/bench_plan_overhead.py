@@ -212,7 +212,8 @@ def main():
                     + ", ".join(DEFAULT_NETS) + ")")
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--layers", type=int, default=60)
-    ap.add_argument("--tiny", type=int, default=8, help="side divisor of the tiny nets")
+    ap.add_argument("--tiny", type=int, default=8, help="side divisor of the tiny nets (else "
+                    "half or a quarter of it, the first the net builds at)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "results" / "plan_overhead"))
     args = ap.parse_args()
@@ -237,12 +238,15 @@ def main():
             print(f"{stem}: not in {folder}, skipped", flush=True)
             continue
         param = text_format.Parse(path.read_text(), caffe_pb2.NetParameter())
-        for side in (1, args.tiny):
-            try:
-                net = randomize(Net(shrunk(param, side), phase=TEST))
-                net.forward()
-            except Exception as e:      # a net whose layers need its own input size
-                print(f"{stem} at 1/{side} side: {e}", flush=True)
+        for sides in ((1,), (args.tiny, args.tiny // 2, args.tiny // 4)):
+            for side in (s for s in sides if s >= 1):
+                try:
+                    net = randomize(Net(shrunk(param, side), phase=TEST))
+                    net.forward()
+                    break
+                except Exception as e:      # a net whose layers need a larger input
+                    print(f"{stem} at 1/{side} side: {e}", flush=True)
+            else:
                 continue
             t = timed(net, args.repeat)
             n = len(net.layers)
