@@ -133,7 +133,9 @@ def main():
           f"CPU: {cpu_name()}. Made by `python scripts/check_inference_nets.py`: published "
           "deploy nets at their own input size, random weights scaled by fan-in, every blob "
           "compared (rtol 1e-4, absolute 1e-5 of the blob's largest value; DetectionOutput "
-          "as detections). Worst: the largest difference over a blob's largest value.", "",
+          "as detections). Worst: the largest difference over a blob's largest value. The "
+          "counts are the pass's decisions; a Concat part whose place in the top is not "
+          "contiguous (along channels at a batch above 1) is copied by the plan instead.", "",
           "| net | input | layers | blobs | epilogues | layers run inside them | free or "
           "shared | Concat parts written in place | worst | blobs that differ |",
           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
