@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 from google.protobuf import text_format  # noqa: E402
 
 from caffepar.graph.net import TEST, Net  # noqa: E402
+from caffepar.graph.passes import with_batch  # noqa: E402
 from caffepar.proto import caffe_pb2  # noqa: E402
 from cpuinfo import cpu_key, cpu_name  # noqa: E402
 
@@ -159,11 +160,10 @@ def timed(net, repeat):
 
 
 def shrunk(param, side):
-    """The net with its 4-D inputs' height and width divided by `side` (and, when it is
+    """The net at batch 1, its 4-D inputs' height and width divided by `side` (and, when
     shrunk, a pooling with a window of 7 or more made global, as the last pooling of a
     classifier is at its own size)."""
-    out = caffe_pb2.NetParameter()
-    out.CopyFrom(param)
+    out = with_batch(param, 1)
     for lp in out.layer:
         p = lp.pooling_param
         if side > 1 and lp.type == "Pooling" and max(p.kernel_size, p.kernel_h) >= 7:
