@@ -50,17 +50,22 @@ def benchmark(net, iterations, progress=None, comm=None, options=None, cost_mode
     # layer shape on this machine measures its engines (caffepar.nn.calibrate); in one process
     # a second when it did, since a measurement frees the work arrays the passes before it had
     # allocated (ranks run as many passes as each other: model-parallel layers communicate).
+    # A TEST net times its inference plan (Net.inference_plan), after passes layer by layer
+    # that leave every layer what its backward reads.
     from caffepar.nn import calibrate
     observers, net.observers = net.observers, []
     try:
         for _ in range(2 if comm is None or comm.size == 1 else 1):
             before = calibrate.measured()
-            for i in range(n):
-                net.forward_layer(i, 0.0, 0, n - 1)
+            with net.unfused():
+                for i in range(n):
+                    net.forward_layer(i, 0.0, 0, n - 1)
             for i in range(n - 1, -1, -1):
                 net.backward_layer(i, True, n - 1, 0)
             if calibrate.measured() == before:
                 break
+        for i in range(n):
+            net.forward_layer(i, 0.0, 0, n - 1)
     finally:
         net.observers = observers
     if comm is not None:
@@ -149,7 +154,7 @@ def benchmark_lines(net, result, engines=False):
         if hasattr(net.layers[i], "engine"):
             shape = net.blob_list[net.bottom_ids[i][0]].shape
             engine = f"\tengine: {net.layers[i].engine(shape)}"
-        host = i - 1 if i in net.relu_in_producer else net.step_forward.get(i)
+        host = net.forward_host(i)
         fold = f"\t(runs inside {net._layer_names[host]})" if host is not None else ""
         yield f"{name:>{width}}\tforward: {f:.4f} ms.{engine}{fold}"
         host = i + 1 if i in net.relu_in_consumer else net.step_backward.get(i)

@@ -5,7 +5,9 @@ create and wire layers -> decide which layers need backward -> share parameters.
 parameters then live in one flat data buffer and one flat diff buffer (every parameter Blob is a
 view), so a data-parallel run can reduce every gradient with a single call.
 """
+import contextlib
 import functools
+import logging
 import os
 from collections import Counter, OrderedDict
 from itertools import zip_longest
@@ -13,8 +15,11 @@ from itertools import zip_longest
 import numpy as np
 
 from caffepar.blob import Blob, no_blobs
+from caffepar.common import env
 from caffepar.errors import CaffeparError, NetError, PrototxtError
+from caffepar.graph.inference import inference_graph
 from caffepar.graph.passes import filter_net, insert_splits
+from caffepar.graph.plan import InferencePlan, StalePlan
 from caffepar.nn import create_layer
 from caffepar.nn.base import check_layer_types
 from caffepar.proto import caffe_pb2
@@ -24,6 +29,12 @@ from caffepar.proto.upgrade import upgrade_net
 TRAIN = caffe_pb2.TRAIN
 TEST = caffe_pb2.TEST
 ANONYMOUS_TOP = "(automatic)"
+#: Values of CAFFEPAR_INFERENCE that turn the inference plan of TEST nets off.
+INFERENCE_OFF = ("off", "0", "false", "no")
+#: A net whose plan a layer made stale this many forwards in a row runs layer by layer.
+STALE_PLANS = 3
+
+log = logging.getLogger("caffepar")
 
 
 class SharedList(list):
@@ -78,6 +89,15 @@ class Net:
         # Told layer_start(kind, i) / layer_end(kind, i) around every layer's forward and
         # backward (kind "forward" or "backward"): timelines, gradient reduction during backward.
         self.observers = []
+        # The inference plan of a TEST forward (caffepar.graph.plan), the rewrite it runs
+        # (caffepar.graph.inference), the blobs it made parts of a Concat's top, and the
+        # range of the last forward it ran (a backward runs that forward again layer by layer).
+        self._plan = None
+        self._graph = None
+        self._region_blobs = []
+        self._stale_plans = 0
+        self._unfused = 0
+        self._planned_range = None
         self.name = param.name
         if not (param.layer or param.layers):
             raise NetError("the net has no layers", path=smap.path)
@@ -504,14 +524,93 @@ class Net:
 
     def forward_from_to(self, start=0, end=None):
         """Run layers start..end inclusive; return the weighted loss they produce. Each layer
-        reshapes first, as Caffe's Layer::Forward does, so a reshaped input just works."""
+        reshapes first, as Caffe's Layer::Forward does, so a reshaped input just works. A TEST
+        net runs its inference plan (inference_plan) instead, where it has one."""
         end = len(self.layers) - 1 if end is None else end
+        plan = self.inference_plan(start, end)
+        if plan is not None:
+            self._planned_range = (start, end)
+            try:
+                loss = plan.forward()
+                self._stale_plans = 0
+                return loss
+            except StalePlan as stale:
+                self._plan = None
+                self._stale_plans += 1
+                if self._stale_plans == STALE_PLANS:
+                    log.debug("net %s: layer %s replaced its tops in %d forwards in a row; "
+                              "the net runs layer by layer", self.name,
+                              self._layer_names[stale.layer], STALE_PLANS)
+                loss = plan._loss(stale.layer)
+                with self.unfused():
+                    for i in range(stale.layer + 1, end + 1):
+                        loss = self.forward_layer(i, loss, stale.layer + 1, end)
+                return loss
         loss = 0.0
         for i in range(start, end + 1):
             loss = self.forward_layer(i, loss, start, end)
         return loss
 
+    # ---------------------------------------------------------------- inference
+    def inference_enabled(self):
+        """Whether a forward of this net runs the inference plan: a TEST net (built by one
+        process: a parallel run's layers communicate) without force_backward, unless
+        CAFFEPAR_INFERENCE=off or inside unfused()."""
+        return (self.phase == TEST and not self._unfused and self.layer_factory is None
+                and not self.param.force_backward and self._stale_plans < STALE_PLANS
+                and env("CAFFEPAR_INFERENCE", "on").strip().lower() not in INFERENCE_OFF)
+
+    @contextlib.contextmanager
+    def unfused(self):
+        """Forwards inside run layer by layer, as with CAFFEPAR_INFERENCE=off."""
+        self._unfused += 1
+        try:
+            yield self
+        finally:
+            self._unfused -= 1
+
+    def inference_graph(self):
+        """The inference rewrite of this net (caffepar.graph.inference), made once."""
+        if self._graph is None:
+            self._graph = inference_graph(self.param)
+        return self._graph
+
+    def inference_plan(self, start=0, end=None):
+        """The prepared plan of a forward over layers start .. end (caffepar.graph.plan), made
+        again when the range, an input array or a parameter array changed; None where the
+        net runs layer by layer (inference_enabled)."""
+        if not self.inference_enabled():
+            return None
+        end = len(self.layers) - 1 if end is None else end
+        plan = self._plan
+        if plan is not None and plan.start == start and plan.end == end and plan.valid():
+            return plan
+        self._plan = None
+        self._plan = InferencePlan(self, self.inference_graph(), start, end)
+        return self._plan
+
+    def forward_host(self, i):
+        """The layer whose forward runs layer i inside its own (an epilogue of the inference
+        plan, or a ReLU or pooling folded as in training), or None."""
+        if self.inference_enabled() and self._plan is not None:
+            return self._plan.host_of.get(i)
+        return i - 1 if i in self.relu_in_producer else self.step_forward.get(i)
+
+    def _rerun_unfused(self):
+        """Before a backward: the last forward again layer by layer where it ran a plan, so
+        that every layer holds what its backward reads (layers without bottoms, which make
+        the inputs, are not run again)."""
+        if self._planned_range is None:
+            return
+        start, end = self._planned_range
+        self._planned_range = None
+        with self.unfused():
+            for i in range(start, end + 1):
+                if self.bottom_ids[i]:
+                    self.forward_layer(i, 0.0, start, end)
+
     def backward_from_to(self, start=None, end=0):
+        self._rerun_unfused()
         start = len(self.layers) - 1 if start is None else start
         for i in range(start, end - 1, -1):
             self.backward_layer(i, self.layer_need_backward[i], start, end)
@@ -520,6 +619,18 @@ class Net:
         """Reshape and forward layer i; return `loss` plus the weighted loss of its tops. In a
         pass over layers start .. end, a ReLU folded into the layer before it (_fold_relus)
         runs there when both are in the pass."""
+        if start is not None and self.phase == TEST and not self._unfused:
+            plan = self._plan
+            if i == start or plan is None or plan.start != start or plan.end != end:
+                plan = self.inference_plan(start, end)
+            if plan is not None:
+                self._planned_range = (start, end)
+                try:
+                    return plan.forward_layer(i, loss)
+                except StalePlan:           # layer i ran; the next one makes a new plan
+                    self._plan = None
+                    self._stale_plans += 1
+                    return loss + plan.layer_loss(i)
         layer = self.layers[i]
         bottoms = self._blobs_of(self.bottom_ids[i])
         tops = self._blobs_of(self.top_ids[i])
@@ -589,6 +700,7 @@ class Net:
         return loss
 
     def reshape(self):
+        self._plan = None
         for i, layer in enumerate(self.layers):
             layer.reshape(self._blobs_of(self.bottom_ids[i]), self._blobs_of(self.top_ids[i]))
 
@@ -720,6 +832,7 @@ class Net:
 
     def share_with(self, other):
         """Share trained layers' parameter data with another net (Caffe's ShareTrainedLayersWith)."""
+        self._plan = None
         for layer in self.layers:
             src = other.layer_dict.get(layer.name)
             if src is None or not layer.blobs:

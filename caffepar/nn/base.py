@@ -213,6 +213,12 @@ class Layer:
     def forward(self, bottom, top):
         raise NotImplementedError
 
+    def prepare_forward(self, bottom, top):
+        """This layer's forward on these blobs as a call with no arguments, bound to their
+        arrays as they are (caffepar.nn.prepared), for an inference plan that keeps the shapes
+        and arrays; None: the plan runs reshape and forward at every call, as a net does."""
+        return None
+
     def backward(self, top, propagate_down, bottom):
         """Layers without a backward (Accuracy, ArgMax, data layers) leave this as is."""
         if any(propagate_down):

@@ -1,10 +1,13 @@
 """Layers that move, combine or reduce blobs rather than transform single values: Softmax,
 Concat, Slice, Split, Eltwise, Flatten, Reshape, Crop, Tile, Reduction, Silence, ArgMax,
 BatchReindex, Filter, Parameter, Embed, Bias and Scale."""
+from functools import partial
+
 import numpy as np
 
 from caffepar.blob import canonical_axis
 from caffepar.nn.base import Layer, register
+from caffepar.nn.prepared import sequence, view_as
 from caffepar.proto import caffe_pb2
 
 
@@ -35,6 +38,18 @@ class SoftmaxLayer(Layer):
         np.subtract(x, x.max(axis=self.axis, keepdims=True), out=y)
         np.exp(y, out=y)
         y /= y.sum(axis=self.axis, keepdims=True)
+
+    def prepare_forward(self, bottom, top):
+        x, y, axis = bottom[0].data, top[0].data, self.axis
+        m = np.empty(x.shape[:axis] + (1,) + x.shape[axis + 1:], x.dtype)
+
+        def run():
+            np.maximum.reduce(x, axis=axis, keepdims=True, out=m)
+            np.subtract(x, m, out=y)
+            np.exp(y, out=y)
+            np.add.reduce(y, axis=axis, keepdims=True, out=m)
+            np.divide(y, m, out=y)
+        return run
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -90,6 +105,25 @@ class ConcatLayer(Layer):
             top[0].data[...] = bottom[0].data
             return
         np.concatenate([b.data for b in bottom], axis=self.axis, out=top[0].data)
+
+    def parts(self, bottom, top):
+        """The views of top[0]'s data that hold each bottom."""
+        y, offset, views = top[0].data, 0, []
+        for b in bottom:
+            size = b.shape[self.axis]
+            views.append(y[_blob_slices(y.ndim, self.axis, offset, offset + size)])
+            offset += size
+        return views
+
+    def prepare_forward(self, bottom, top, copied=None):
+        """The forward copying the bottoms whose positions are in `copied` (default: all)."""
+        views = self.parts(bottom, top)
+        pairs = [(v, b.data) for j, (v, b) in enumerate(zip(views, bottom))
+                 if copied is None or j in copied]
+        if copied is None and len(bottom) > 1:
+            return partial(np.concatenate, [b.data for b in bottom], axis=self.axis,
+                           out=top[0].data)
+        return sequence([partial(np.copyto, v, x) for v, x in pairs])
 
     def backward(self, top, propagate_down, bottom):
         dy = top[0].diff
@@ -156,6 +190,14 @@ class SliceLayer(Layer):
         for t, size in zip(top, self.sizes):
             t.data[...] = x[_blob_slices(x.ndim, self.axis, offset, offset + size)]
             offset += size
+
+    def prepare_forward(self, bottom, top):
+        x, offset, calls = bottom[0].data, 0, []
+        for t, size in zip(top, self.sizes):
+            calls.append(partial(np.copyto, t.data,
+                                 x[_blob_slices(x.ndim, self.axis, offset, offset + size)]))
+            offset += size
+        return sequence(calls)
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -253,6 +295,28 @@ class EltwiseLayer(Layer):
             y[...] = best
         else:
             raise self.error(f"unknown eltwise operation {self.op}")
+
+    def prepare_forward(self, bottom, top):
+        """SUM and PROD (MAX keeps its winners for backward: it runs as itself)."""
+        E = caffe_pb2.EltwiseParameter
+        xs, y = [b.data for b in bottom], top[0].data
+        if self.op not in (E.SUM, E.PROD) or any(np.may_share_memory(x, y) for x in xs):
+            return None
+        if self.op == E.PROD:
+            return sequence([partial(np.multiply, xs[0], xs[1], out=y)] +
+                            [partial(np.multiply, y, x, out=y) for x in xs[2:]])
+        c = [self.dtype.type(v) for v in self.coeffs]
+        if all(v == 1 for v in c):
+            return sequence([partial(np.add, xs[0], xs[1], out=y)] +
+                            [partial(np.add, y, x, out=y) for x in xs[2:]])
+        t = np.empty(y.shape, y.dtype)
+        calls = [partial(np.multiply, xs[0], c[0], out=y)]
+        for x, v in zip(xs[1:], c[1:]):
+            if v == 1:
+                calls.append(partial(np.add, y, x, out=y))
+            else:
+                calls += [partial(np.multiply, x, v, out=t), partial(np.add, y, t, out=y)]
+        return sequence(calls)
 
     def backward(self, top, propagate_down, bottom):
         E = caffe_pb2.EltwiseParameter
@@ -406,6 +470,9 @@ class CropLayer(Layer):
 
     def forward(self, bottom, top):
         top[0].data[...] = bottom[0].data[self.index]
+
+    def prepare_forward(self, bottom, top):
+        return partial(np.copyto, top[0].data, bottom[0].data[self.index])
 
     def backward(self, top, propagate_down, bottom):
         if propagate_down[0]:
@@ -780,6 +847,15 @@ class BiasLayer(Layer):
         y = top[0].data.reshape(outer, dim, inner)
         np.add(bottom[0].data.reshape(outer, dim, inner), b, out=y)
 
+    def prepare_forward(self, bottom, top):
+        outer, dim, inner = self.dims
+        b = view_as(bottom[1].data if len(bottom) > 1 else self.blobs[0].data, (1, dim, 1))
+        x = view_as(bottom[0].data, (outer, dim, inner))
+        y = view_as(top[0].data, (outer, dim, inner))
+        if b is None or x is None or y is None:
+            return None
+        return partial(np.add, x, b, out=y)
+
     def backward(self, top, propagate_down, bottom):
         if propagate_down[0] and top[0] is not bottom[0]:
             bottom[0].diff[...] = top[0].diff
@@ -843,6 +919,23 @@ class ScaleLayer(Layer):
         if self.bias_term:
             bo, bd, bi = self.bias_dims
             top[0].data.reshape(bo, bd, bi)[...] += self.blobs[-1].data.reshape(1, bd, 1)
+
+    def prepare_forward(self, bottom, top):
+        outer, dim, inner = self.dims
+        s = view_as(self._scale(bottom).data, (1, dim, 1))
+        x = view_as(bottom[0].data, (outer, dim, inner))
+        y = view_as(top[0].data, (outer, dim, inner))
+        if s is None or x is None or y is None:
+            return None
+        calls = [partial(np.multiply, x, s, out=y)]
+        if self.bias_term:
+            bo, bd, bi = self.bias_dims
+            yb = view_as(top[0].data, (bo, bd, bi))
+            b = view_as(self.blobs[-1].data, (1, bd, 1))
+            if yb is None or b is None:
+                return None
+            calls.append(partial(np.add, yb, b, out=yb))
+        return sequence(calls)
 
     def backward(self, top, propagate_down, bottom):
         dy = top[0].diff

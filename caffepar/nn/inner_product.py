@@ -4,12 +4,15 @@ Its GEMMs go to BLAS, or with a small batch (up to ``SMALL_BATCH`` rows) to comp
 that stream W through once (a BLAS tuned for big GEMMs packs all of W and runs well below the
 memory bandwidth that bounds them): which of the ways (``ENGINES``) by measurement on the
 machine at hand (`caffepar.nn.calibrate`); fixed rules take the kernels whenever they apply."""
+from functools import partial
+
 import numpy as np
 
 from caffepar.blob import canonical_axis
 from caffepar.nn import calibrate, native
 from caffepar.nn.base import Layer, register, reshaped_by_shape
 from caffepar.nn.blas import blas_threads, gemm, run_parts, scratch
+from caffepar.nn.prepared import epilogue_call, sequence, view_as
 
 #: Batches of at most this many rows may use the compiled kernels (the "wide" kernels hold a
 #: column of the batch in two vectors at most).
@@ -99,6 +102,27 @@ class InnerProductLayer(Layer):
                 y += self.blobs[1].data
             return
         _forward(self._engine(), x, w, self.blobs[1].data if self.bias_term else None, y)
+
+    def prepare_forward(self, bottom, top, epilogue=None):
+        """The forward with its engine chosen once; with an Epilogue (caffepar.nn.conv), its
+        output finished per output (axis 1). An epilogue with a shift holds this layer's bias
+        there (as conv_forward's does); without one, the layer adds its bias itself."""
+        x = view_as(bottom[0].data, (self.m, self.k))
+        y = view_as(top[0].data, (self.m, self.num_output))
+        if x is None or y is None:
+            return None
+        w = self.blobs[0].data
+        own_bias = epilogue is None or epilogue.shift is None
+        bias = self.blobs[1].data if self.bias_term and own_bias else None
+        if self.transpose:
+            calls = [partial(gemm, x, w, y)]
+            if bias is not None:
+                calls.append(partial(np.add, y, bias, out=y))
+        else:
+            calls = [partial(_forward, self._engine(), x, w, bias, y)]
+        if epilogue is not None:
+            calls.append(epilogue_call(y, y, epilogue))
+        return sequence(calls)
 
     def backward(self, top, propagate_down, bottom):
         dy = top[0].diff.reshape(self.m, self.num_output)

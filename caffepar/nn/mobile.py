@@ -5,10 +5,13 @@ convolution engines. ConvolutionDepthwise (the MobileNet forks) reads only the g
 convolution_param and outputs one channel per input channel; DepthwiseConvolution (the
 DepthwiseConvolution fork) is a Convolution with num_output as given, its group defaulting to
 the channel count."""
+from functools import partial
+
 import numpy as np
 
 from caffepar.nn.base import register
 from caffepar.nn.neuron import NeuronLayer
+from caffepar.nn.prepared import clip_call, view_as
 from caffepar.nn.vision import ConvolutionLayer
 
 
@@ -48,6 +51,9 @@ class ReLU6Layer(NeuronLayer):
     def forward(self, bottom, top):
         np.clip(bottom[0].data, 0, 6, out=top[0].data)
 
+    def prepare_forward(self, bottom, top):
+        return clip_call(bottom[0].data, top[0].data, 0, 6)
+
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
@@ -79,6 +85,15 @@ class ShuffleChannelLayer(NeuronLayer):
 
     def forward(self, bottom, top):
         self._shuffle(bottom[0].data, top[0].data, self.group)
+
+    def prepare_forward(self, bottom, top):
+        x, y, rows = bottom[0].data, top[0].data, self.group
+        n, c = x.shape[:2]
+        src = view_as(x, (n, rows, c // rows, -1))
+        dst = view_as(y, (n, c // rows, rows, -1))
+        if src is None or dst is None:
+            return None
+        return partial(np.copyto, dst, src.transpose(0, 2, 1, 3))
 
     def backward(self, top, propagate_down, bottom):
         if propagate_down[0]:

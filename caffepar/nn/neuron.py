@@ -4,6 +4,7 @@ Backward passes read `bottom[0].data` exactly where Caffe does, so in-place use 
 results (for ReLU/ELU/Sigmoid/TanH/Swish/Dropout/PReLU the in-place result is the true
 gradient; for the others it is whatever Caffe computes from the overwritten input)."""
 import math
+from functools import partial
 
 import numpy as np
 
@@ -11,6 +12,7 @@ from caffepar import common
 from caffepar.nn import native
 from caffepar.nn.base import Layer, register
 from caffepar.nn.blas import blas_threads, run_parts, scratch
+from caffepar.nn.prepared import clip_call, prelu_call, relu_call
 from caffepar.proto import caffe_pb2
 
 
@@ -41,6 +43,10 @@ class NeuronLayer(Layer):
 
     def reshape(self, bottom, top):
         top[0].reshape(bottom[0].shape)
+
+    def prepare_forward(self, bottom, top):
+        """A neuron's reshape depends on shapes alone: its forward is the call."""
+        return partial(self.forward, bottom, top)
 
     def scratch(self, name, size, dtype):
         """A chunk-sized buffer kept across calls, so no pass allocates."""
@@ -136,6 +142,9 @@ class ReLULayer(NeuronLayer):
     def forward(self, bottom, top):
         relu_forward(bottom[0].data, top[0].data, self.slope, self.scratch)
 
+    def prepare_forward(self, bottom, top):
+        return relu_call(bottom[0].data, top[0].data, self.slope)
+
     def backward(self, top, propagate_down, bottom):
         if propagate_down[0]:
             relu_backward(bottom[0].data, top[0].diff, bottom[0].diff, self.slope, self.scratch)
@@ -181,6 +190,9 @@ class PReLULayer(NeuronLayer):
             x = self.saved_input
         np.multiply(np.minimum(x, 0), self._slope(x), out=top[0].data)
         top[0].data += np.maximum(x, 0)
+
+    def prepare_forward(self, bottom, top):
+        return prelu_call(bottom[0].data, top[0].data, self.blobs[0].data)
 
     def backward(self, top, propagate_down, bottom):
         x = self.saved_input if top[0] is bottom[0] else bottom[0].data
@@ -495,6 +507,9 @@ class ClipLayer(NeuronLayer):
 
     def forward(self, bottom, top):
         np.clip(bottom[0].data, self.lo, self.hi, out=top[0].data)
+
+    def prepare_forward(self, bottom, top):
+        return clip_call(bottom[0].data, top[0].data, self.lo, self.hi)
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:

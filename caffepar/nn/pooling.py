@@ -15,6 +15,7 @@ code's winner layout and order of sums (for MAX's backward, Caffe's order).
 """
 import math
 import threading
+from functools import partial
 
 import numpy as np
 
@@ -22,11 +23,15 @@ from caffepar.nn import native
 from caffepar.nn.base import Layer, register
 from caffepar.nn.blas import blas_threads, run_parts, split_parts
 from caffepar.nn.neuron import relu_backward, relu_forward
+from caffepar.nn.prepared import kernel_call, view_as
 from caffepar.proto import caffe_pb2
 
 PP = caffe_pb2.PoolingParameter
 NEG_FLT_MAX = -float(np.finfo(np.float32).max)
 BLOCK_BYTES = 1 << 21
+#: A prepared pooling over fewer input bytes runs on one thread (handing parts to the others
+#: costs more than they save).
+ONE_THREAD_BYTES = 1 << 17
 
 
 def pooled_size(size, kernel, pad, stride, ceil_mode=True, padded=None):
@@ -577,6 +582,52 @@ class PoolingLayer(Layer):
             y.reshape(y.shape[:2])[...] = x.mean(axis=(2, 3))
         else:
             ave_pool_forward(g, x, y, self.relu_top)
+
+    def prepare_forward(self, bottom, top):
+        """MAX and AVE with one top on the compiled kernels, their arguments made once (the
+        MAX winners go to a buffer of the call's own: a plan runs no backward); a global AVE
+        as one mean."""
+        if len(top) > 1 or self.method not in (PP.MAX, PP.AVE):
+            return None
+        g, x, y = self.geom, bottom[0].data, top[0].data
+        if self.global_pooling:
+            x3, y2 = view_as(x, x.shape[:2] + (-1,)), view_as(y, y.shape[:2])
+            if self.method != PP.AVE or x3 is None or y2 is None:
+                return None
+            return partial(np.mean, x3, axis=2, out=y2)
+        k = _kernels(x, y)
+        if k is None:
+            return None
+        x3, y3 = g.planes(x, g.h, g.w), g.planes(y, g.oh, g.ow)
+        if self.method == PP.MAX:
+            args = np.empty((len(x3), g.rows, g.cols), _index_dtype(g.kh * g.kw))
+            kernel, arrays = k.max_pool_forward, (x3, y3, args)
+            extra = (g.rows, g.cols, args.itemsize)
+        else:
+            kernel, arrays, extra = k.ave_pool_forward, (x3, y3), (g.rows, g.cols)
+        dims = (g.h, g.w, g.oh, g.ow, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw) + extra
+        workers = blas_threads()
+        runs = [(p[0], p[-1] + 1) for p in split_parts(range(len(x3)), 4 * workers)] \
+            if workers > 1 and x.nbytes > ONE_THREAD_BYTES else [(0, len(x3))]
+        calls = [kernel_call(kernel, [a[p0:p1] for a in arrays], p1 - p0, *dims)
+                 for p0, p1 in runs]
+
+        def run_one(part):
+            return min(call() for call in part)
+
+        if len(calls) == 1:
+            call = calls[0]
+
+            def run():
+                if call() < 0:
+                    raise MemoryError("pooling: no memory for a work buffer")
+            return run
+        parts = split_parts(calls)
+
+        def run():
+            if min(run_parts(run_one, parts, workers)) < 0:
+                raise MemoryError("pooling: no memory for a work buffer")
+        return run
 
     def folds_relu(self, top, slope):
         """MAX and AVE pooling, not global: a ReLU after it in forward, or before it in backward

@@ -206,6 +206,19 @@ class UpsampleLayer(Layer):
         return bottom_index == 0
 
 
+def _segnet_fields(p):
+    return [f for f in ("scale_filler", "shift_filler", "bn_mode") if p.HasField(f)]
+
+
+def bn_uses_fixed_statistics(layer_param, phase):
+    """Whether a BN layer (either fork's) is a fixed per-channel affine map in this phase:
+    SegNet's in INFERENCE mode, PSPNet's frozen or in TEST."""
+    p = layer_param.bn_param
+    if _segnet_fields(p):
+        return p.bn_mode != p.LEARN
+    return p.frozen or phase != caffe_pb2.TRAIN
+
+
 @register("BN")
 class BNLayer(Layer):
     """BN of the segmentation forks, two layers under one name, told apart by their fields:
@@ -226,7 +239,7 @@ class BNLayer(Layer):
 
     def layer_setup(self, bottom, top):
         p = self.param.bn_param
-        segnet = [f for f in ("scale_filler", "shift_filler", "bn_mode") if p.HasField(f)]
+        segnet = _segnet_fields(p)
         pspnet = [f for f in ("slope_filler", "bias_filler", "momentum", "eps", "frozen")
                   if p.HasField(f)]
         if segnet and pspnet:
@@ -240,14 +253,14 @@ class BNLayer(Layer):
         c = bottom[0].shape[1]
         shape = (1, c, 1, 1)
         if self.segnet:
-            self.batch_stats = p.bn_mode == p.LEARN
+            self.batch_stats = not bn_uses_fixed_statistics(self.param, self.phase)
             self.eps = 1e-9
             if not self.blobs_already_set(2):
                 self.add_param_blob(shape, p.scale_filler)
                 self.add_param_blob(shape, p.shift_filler)
         else:
             self.frozen, self.momentum, self.eps = p.frozen, p.momentum, p.eps
-            self.batch_stats = not self.frozen and self.phase == caffe_pb2.TRAIN
+            self.batch_stats = not bn_uses_fixed_statistics(self.param, self.phase)
             if not self.blobs_already_set(4):
                 self.add_param_blob(shape, p.slope_filler)
                 self.add_param_blob(shape, p.bias_filler)

@@ -1,5 +1,7 @@
 """SSD's layers (the weiliu89/caffe fork, branch ssd): Permute, PriorBox, Normalize and
 DetectionOutput, with that fork's parameters and arithmetic (float32 boxes, its sort orders)."""
+from functools import partial
+
 import numpy as np
 
 from caffepar.nn.base import Layer, register
@@ -36,6 +38,9 @@ class PermuteLayer(Layer):
 
     def forward(self, bottom, top):
         top[0].data[...] = bottom[0].data.transpose(self.order)
+
+    def prepare_forward(self, bottom, top):
+        return partial(np.copyto, top[0].data, bottom[0].data.transpose(self.order))
 
     def backward(self, top, propagate_down, bottom):
         if propagate_down[0]:
@@ -127,6 +132,13 @@ class PriorBoxLayer(Layer):
     def forward(self, bottom, top):
         top[0].data[...] = self.priors(bottom[0].height, bottom[0].width,
                                        bottom[1].height, bottom[1].width).reshape(top[0].shape)
+
+    def prepare_forward(self, bottom, top):
+        """The priors depend on the shapes alone: made once, copied at each call (a user may
+        have written over the blob)."""
+        priors = self.priors(bottom[0].height, bottom[0].width, bottom[1].height,
+                             bottom[1].width).reshape(top[0].shape)
+        return partial(np.copyto, top[0].data, priors)
 
     def priors(self, layer_h, layer_w, image_h, image_w):
         """The 2 x (layer_h * layer_w * P * 4) prior array for these sizes (no blobs needed)."""

@@ -178,6 +178,19 @@ class _ConvolutionBase(Layer):
                 if self.step_top is not None:
                     self.step_top.run()
 
+    def prepare_forward(self, bottom, top, epilogue=None):
+        """A convolution (not a deconvolution) with one bottom and top along axis 1: the
+        prepared call of caffepar.nn.conv (prepare_conv_forward), with `epilogue` (an Epilogue
+        whose shift holds this layer's bias, if any) or, without one, its bias alone."""
+        if self.transposed or len(bottom) != 1 or self.axis != 1:
+            return None
+        x, y = bottom[0].data, top[0].data
+        if np.may_share_memory(x, y):
+            return None
+        if epilogue is None and self.bias_term:
+            epilogue = conv.Epilogue(shift=self.blobs[1].data)
+        return conv.prepare_conv_forward(x, self.blobs[0].data, *self._kernels(), y, epilogue)
+
     def backward(self, top, propagate_down, bottom):
         run = conv.deconv_backward if self.transposed else conv.conv_backward
         need_w = self.param_propagate_down[0]
