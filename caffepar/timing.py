@@ -64,8 +64,9 @@ def benchmark(net, iterations, progress=None, comm=None, options=None, cost_mode
                 net.backward_layer(i, True, n - 1, 0)
             if calibrate.measured() == before:
                 break
-        for i in range(n):
-            net.forward_layer(i, 0.0, 0, n - 1)
+        if net.inference_enabled():
+            for i in range(n):
+                net.forward_layer(i, 0.0, 0, n - 1)
     finally:
         net.observers = observers
     if comm is not None:

@@ -348,12 +348,9 @@ def write_results(args, runs, timing, parallel, out):
         "",
     ]
     out.with_suffix(".md").write_text("\n".join(lines))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no figure", file=sys.stderr)
+    from figures import pyplot
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for k, style in (("caffepar", "-o"), ("fork", "--s")):

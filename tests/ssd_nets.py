@@ -118,16 +118,18 @@ def voc_folder(folder, train=12, test=6, seed=5):
 
 
 def ssd_solver_param(folder, batch, iterations, prefix, size=32):
-    """The small SSD's training run on `folder`'s trainval_lmdb as a SolverParameter: RMSProp,
-    no test net, a snapshot at the end."""
+    """The small SSD's training run on `folder`'s trainval_lmdb as a SolverParameter: SGD with
+    momentum (RMSProp's first steps are lr * sign(gradient), which turns the last bit of a
+    near-zero gradient into a whole step), no test net, a snapshot at the end."""
     from caffepar.proto import caffe_pb2
     from caffepar.proto.text import parse_text
     text = tiny_ssd("TRAIN", str(folder / "trainval_lmdb"), batch, size=size,
                     label_map=str(folder / "voc" / "labelmap.prototxt"))
     param = caffe_pb2.SolverParameter()
     param.net_param.CopyFrom(parse_text(text, caffe_pb2.NetParameter()))
-    param.type = "RMSProp"
-    param.base_lr = 0.001
+    param.type = "SGD"
+    param.base_lr = 0.01
+    param.momentum = 0.9
     param.weight_decay = 0.0005
     param.lr_policy = "fixed"
     param.max_iter = iterations
