@@ -232,3 +232,51 @@ def test_transformer_resizes_an_image_mean_of_another_size():
     assert np.all(np.diff(resized[2], axis=1) > 0) and np.ptp(resized[2], axis=0).max() < 1e-5
     with pytest.raises(DataError, match="channels"):
         t.set_mean("data", np.zeros((4, 8, 8), np.float32))
+
+
+HOOKED_NET = """name: "hooked"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 5 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+  inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 1 }
+                        bias_filler { type: "gaussian" std: 1 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "ip" top: "ip" }
+layer { name: "relu" type: "ReLU" bottom: "ip" top: "ip" }
+layer { name: "loss" type: "EuclideanLoss" bottom: "ip" bottom: "data" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("phase", [caffe.TRAIN, caffe.TEST])
+def test_layer_hooks_see_each_layer_as_caffe_leaves_it(tmp_path, phase):
+    """before_forward & co. are called with each layer's index, in Caffe's order, and a hook
+    reads the blobs as they are between two layers: an in-place chain's top after the
+    InnerProduct holds its own output, not the BatchNorm's or ReLU's (which a forward without
+    hooks folds into it)."""
+    path = tmp_path / "net.prototxt"
+    path.write_text(HOOKED_NET.replace('type: "EuclideanLoss" bottom: "ip" bottom: "data"',
+                                       'type: "EuclideanLoss" bottom: "ip" bottom: "ip"')
+                    if phase == caffe.TEST else HOOKED_NET.replace(
+                        'dim: 5', 'dim: 4'))
+    net = caffe.Net(str(path), phase)
+    net.blobs["data"].data[...] = np.random.default_rng(0).normal(size=net.blobs["data"].shape)
+    if phase == caffe.TEST:
+        bn = net.params["bn"]
+        bn[0].data[...], bn[1].data[...], bn[2].data[...] = 3.0, 2.0, 1.0
+    calls, seen = [], {}
+    net.before_forward(lambda i: calls.append(("before", i)))
+    net.after_forward(lambda i: calls.append(("after", i)))
+    net.after_forward(lambda i: seen.setdefault(i, net.blobs["ip"].data.copy()))
+    net.before_backward(lambda i: calls.append(("before_backward", i)))
+    net.forward()
+    n = len(net.layers)
+    assert calls == [(when, i) for i in range(n) for when in ("before", "after")]
+    w, b = (p.data.astype(np.float64) for p in net.params["ip"])
+    ip = net.blobs["data"].data @ w.T + b
+    at = list(net._layer_names).index("ip")    # TRAIN has a Split of data before it
+    np.testing.assert_allclose(seen[at], ip, rtol=1e-5, atol=1e-5)
+    assert (seen[at] < 0).any()
+    assert (net.blobs["ip"].data >= 0).all()
+    calls.clear()
+    net.backward()
+    assert calls == [("before_backward", i) for i in range(n - 1, -1, -1)]
+    with pytest.raises(NetError, match="after_forward hook must be callable"):
+        net.after_forward(3)

@@ -51,6 +51,23 @@ class SharedList(list):
     __setitem__ = __delitem__ = __iadd__ = __imul__ = _shared
 
 
+class LayerHook:
+    """A pycaffe hook as a net observer: fn(i) at the start or the end of layer i's pass."""
+
+    __slots__ = ("pass_", "after", "fn")
+
+    def __init__(self, pass_, after, fn):
+        self.pass_, self.after, self.fn = pass_, after, fn
+
+    def layer_start(self, pass_, i):
+        if pass_ == self.pass_ and not self.after:
+            self.fn(i)
+
+    def layer_end(self, pass_, i):
+        if pass_ == self.pass_ and self.after:
+            self.fn(i)
+
+
 def load_net_param(source):
     """A NetParameter and its SourceMap from a path, prototxt text or a NetParameter."""
     if isinstance(source, caffe_pb2.NetParameter):
@@ -89,6 +106,7 @@ class Net:
         # Told layer_start(kind, i) / layer_end(kind, i) around every layer's forward and
         # backward (kind "forward" or "backward"): timelines, gradient reduction during backward.
         self.observers = []
+        self._hooks = []            # pycaffe's before_forward & co (LayerHook)
         # The inference plan of a TEST forward (caffepar.graph.plan), the rewrite it runs
         # (caffepar.graph.inference), the blobs it made parts of a Concat's top, and the
         # range of the last forward it ran (a backward runs that forward again layer by layer).
@@ -557,6 +575,7 @@ class Net:
         process: a parallel run's layers communicate) without force_backward, unless
         CAFFEPAR_INFERENCE=off or inside unfused()."""
         return (self.phase == TEST and not self._unfused and self.layer_factory is None
+                and not self._hooks
                 and not self.param.force_backward and self._stale_plans < STALE_PLANS
                 and env("CAFFEPAR_INFERENCE", "on").strip().lower() not in INFERENCE_OFF)
 
@@ -618,7 +637,9 @@ class Net:
     def forward_layer(self, i, loss=0.0, start=None, end=None):
         """Reshape and forward layer i; return `loss` plus the weighted loss of its tops. In a
         pass over layers start .. end, a ReLU folded into the layer before it (_fold_relus)
-        runs there when both are in the pass."""
+        runs there when both are in the pass (not in a net with hooks)."""
+        if self._hooks:
+            start = end = None
         if start is not None and self.phase == TEST and not self._unfused:
             plan = self._plan
             if i == start or plan is None or plan.start != start or plan.end != end:
@@ -672,7 +693,9 @@ class Net:
         """Backward of layer i when `run`; observers hear of the layer either way, so one
         that waits for a parameter's gradient learns when backward has passed its layer. In a
         pass from layer start down to end, a ReLU folded into the layer after it runs there
-        when both are in the pass."""
+        when both are in the pass (not in a net with hooks)."""
+        if self._hooks:
+            start = end = None
         for o in self.observers:
             o.layer_start("backward", i)
         layer = self.layers[i]
@@ -693,6 +716,30 @@ class Net:
         layer.step_top_diff = None
         for o in self.observers:
             o.layer_end("backward", i)
+
+    # pycaffe's hooks: fn(layer index) before or after each layer's forward or backward. A net
+    # with hooks runs layer by layer with nothing folded or fused, so that a hook reads every
+    # blob as Caffe leaves it between two layers.
+    def before_forward(self, fn):
+        self._add_hook("forward", False, fn)
+
+    def after_forward(self, fn):
+        self._add_hook("forward", True, fn)
+
+    def before_backward(self, fn):
+        self._add_hook("backward", False, fn)
+
+    def after_backward(self, fn):
+        self._add_hook("backward", True, fn)
+
+    def _add_hook(self, pass_, after, fn):
+        if not callable(fn):
+            raise NetError(f"a {'after' if after else 'before'}_{pass_} hook must be callable "
+                           f"(it is called with the layer's index), got {type(fn).__name__}")
+        hook = LayerHook(pass_, after, fn)
+        self._hooks.append(hook)
+        self.observers.append(hook)
+        self._plan = None
 
     def forward_backward(self):
         loss = self.forward_from_to()
