@@ -22,8 +22,13 @@ from caffepar.classifier import Classifier
 from caffepar.detector import Detector
 from caffepar import _caffe, coord_map, draw, pycaffe  # noqa: E402  (caffe._caffe, caffe.draw)
 
-if not pycaffe.real_caffe_installed():
-    pycaffe.install_as_caffe()
+try:
+    import _caffepar_caffe  # noqa: F401  (installed beside the package by pip)
+except ImportError:         # caffepar run from a source tree: `import caffe` is left alone
+    pass
+else:
+    if not pycaffe.real_caffe_installed():
+        pycaffe.install_as_caffe()
 
 __all__ = ["Net", "Layer", "TRAIN", "TEST", "io", "proto", "layer_type_list", "set_mode_cpu",
            "set_mode_gpu", "set_device", "set_random_seed", "__version__",
