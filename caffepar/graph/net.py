@@ -123,6 +123,11 @@ class Net:
     BYTES_PER_LAYER = 1536
     #: Nets with at least this many layers show their build's progress.
     PROGRESS_LAYERS = 50000
+    #: A TEST net of more layers runs its forward layer by layer, with no inference plan: the
+    #: plan costs some 90 us and 2 KB a layer to make (measured on a chain of in-place
+    #: ReLUs), which a net of millions of tiny layers would not win back in ten forwards, and
+    #: its memory would double the net's.
+    PLAN_MAX_LAYERS = 100000
 
     def _check_memory(self, layers, smap):
         """Refuse a net whose layers alone would need more memory than the machine has."""
@@ -558,9 +563,10 @@ class Net:
     # ---------------------------------------------------------------- inference
     def inference_enabled(self):
         """Whether a forward of this net runs the inference plan: a TEST net (built by one
-        process: a parallel run's layers communicate) without force_backward, unless
-        CAFFEPAR_INFERENCE=off or inside unfused()."""
+        process: a parallel run's layers communicate) of at most PLAN_MAX_LAYERS layers
+        without force_backward, unless CAFFEPAR_INFERENCE=off or inside unfused()."""
         return (self.phase == TEST and not self._unfused and self.layer_factory is None
+                and len(self.layers) <= self.PLAN_MAX_LAYERS
                 and not self.param.force_backward and self._stale_plans < STALE_PLANS
                 and env("CAFFEPAR_INFERENCE", "on").strip().lower() not in INFERENCE_OFF)
 
