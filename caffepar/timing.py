@@ -42,8 +42,8 @@ def benchmark(net, iterations, progress=None, comm=None, options=None, cost_mode
         if not sync.plain:
             net.observers.append(sync)
     n = len(net.layers)
-    fwd = np.zeros(n)
-    bwd = np.zeros(n)
+    fwd = [0.0] * n             # lists: a NumPy scalar's += costs a net of millions of layers
+    bwd = [0.0] * n             # seconds
     laps = []
     clock = time.perf_counter
     # One untimed pass without communication: first-touch allocations, and the first run of a
@@ -51,22 +51,24 @@ def benchmark(net, iterations, progress=None, comm=None, options=None, cost_mode
     # a second when it did, since a measurement frees the work arrays the passes before it had
     # allocated (ranks run as many passes as each other: model-parallel layers communicate).
     # A TEST net times its inference plan (Net.inference_plan), after passes layer by layer
-    # that leave every layer what its backward reads.
+    # that leave every layer what its backward reads: one forward more makes the plan. The
+    # passes ignore floating-point errors once for all layers (Net.float_errors_ignored).
     from caffepar.nn import calibrate
     observers, net.observers = net.observers, []
     try:
-        for _ in range(2 if comm is None or comm.size == 1 else 1):
-            before = calibrate.measured()
-            with net.unfused():
+        with net.float_errors_ignored():
+            for _ in range(2 if comm is None or comm.size == 1 else 1):
+                before = calibrate.measured()
+                with net.unfused():
+                    for i in range(n):
+                        net.forward_layer(i, 0.0, 0, n - 1)
+                for i in range(n - 1, -1, -1):
+                    net.backward_layer(i, True, n - 1, 0)
+                if calibrate.measured() == before:
+                    break
+            if net.inference_enabled():
                 for i in range(n):
                     net.forward_layer(i, 0.0, 0, n - 1)
-            for i in range(n - 1, -1, -1):
-                net.backward_layer(i, True, n - 1, 0)
-            if calibrate.measured() == before:
-                break
-        if net.inference_enabled():
-            for i in range(n):
-                net.forward_layer(i, 0.0, 0, n - 1)
     finally:
         net.observers = observers
     if comm is not None:
@@ -77,14 +79,15 @@ def benchmark(net, iterations, progress=None, comm=None, options=None, cost_mode
         start = clock()
         if sync is not None:
             sync.begin_pass(it, armed=True)
-        for i in range(n):
-            t0 = clock()
-            net.forward_layer(i, 0.0, 0, n - 1)     # whole passes: ReLUs folded as in training
-            fwd[i] += clock() - t0
-        for i in range(n - 1, -1, -1):
-            t0 = clock()
-            net.backward_layer(i, True, n - 1, 0)
-            bwd[i] += clock() - t0
+        with net.float_errors_ignored():
+            for i in range(n):
+                t0 = clock()
+                net.forward_layer(i, 0.0, 0, n - 1)     # whole passes: ReLUs folded as in
+                fwd[i] += clock() - t0                  # training
+            for i in range(n - 1, -1, -1):
+                t0 = clock()
+                net.backward_layer(i, True, n - 1, 0)
+                bwd[i] += clock() - t0
         if sync is not None:
             sync.finish()
             net.param_diff *= net.param_diff.dtype.type(1.0 / comm.size)
@@ -95,7 +98,8 @@ def benchmark(net, iterations, progress=None, comm=None, options=None, cost_mode
         if progress:
             progress(it + 1, laps[-1])
     total = (clock() - start_all) * 1e3
-    result = Benchmark(iterations, fwd * 1e3 / iterations, bwd * 1e3 / iterations, laps, total)
+    result = Benchmark(iterations, np.array(fwd) * 1e3 / iterations,
+                       np.array(bwd) * 1e3 / iterations, laps, total)
     if comm is not None:
         result.ranks = comm.size
         for (tag, _op), (seconds, nbytes, _calls) in comm.stats.take().items():

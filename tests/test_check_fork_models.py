@@ -4,6 +4,7 @@ one-layer net."""
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("cv2", reason="OpenCV (opencv-python-headless 4.x) is the reference here; "
@@ -62,3 +63,29 @@ def test_fast_rcnn_zf_agrees_with_opencv():
     assert row["caffepar"] == "runs: output (8, 21), (8, 84)", row
     assert row["opencv"].startswith("agrees: cls_prob max abs diff"), row
     assert row["caffepar_onnx"].startswith("agrees"), row
+
+
+def test_a_model_output_is_compared_against_its_scale():
+    """A deep net's output agrees when it is within 1e-4 of its largest value, even where
+    small elements differ by more than 1e-4 of themselves; a one-layer net's stays element by
+    element."""
+    want = np.array([8.0, 1e-3, -2.0])
+    got = want + np.array([3e-4, 5e-5, 0.0])
+    assert script.compare(got, want, False, scaled=True).startswith("agrees: max abs diff 0.0003")
+    assert script.compare(got, want, False).startswith("differs")
+    assert script.compare(want + 1e-3, want, False, scaled=True).startswith("differs")
+
+
+def test_earlier_rows_that_share_a_label_are_all_kept(tmp_path, monkeypatch):
+    """Two cases with the same label (Upsample twice) both keep their earlier rows when a run
+    chooses neither."""
+    cases = [script.LayerCase("Upsample", "upsample_param { scale: 2 }", {"x": (1, 3, 5, 6)},
+                              note=note) for note in ("first", "second")]
+    monkeypatch.setattr(script, "LAYER_CASES", cases)
+    monkeypatch.setattr(script, "PUBLISHED", [])
+    out = tmp_path / "rows"
+    earlier = [{"item": "Upsample (scale: 2)", "kind": "layer", "caffepar": "runs", "note": n}
+               for n in ("first", "second")]
+    script.write(out, earlier, None)
+    rows = script.with_earlier([], out)
+    assert [r["note"] for r in rows] == ["first" + script.EARLIER, "second" + script.EARLIER]

@@ -762,3 +762,19 @@ def test_layers_with_prepared_calls_as_their_forward():
     text += layer("dc", "Deconvolution", "mp", "dc", "convolution_param { num_output: 2 "
                   "kernel_size: 2 stride: 2 }")
     fused_vs_unfused(text)
+
+
+def test_a_net_of_more_layers_than_a_plan_takes_runs_layer_by_layer(monkeypatch):
+    """Past Net.PLAN_MAX_LAYERS a TEST net makes no plan (its cost a layer would not be won
+    back on millions of tiny layers) and computes what the layer-by-layer forward does."""
+    text = inp(1, 3, 4, 4) + conv("conv", "data", "c", 2) + bn_scale_act("c", "c") + \
+        conv("after", "c", "e", 2) + layer("r", "ReLU", "e", "e")
+    ref = randomize(Net(P(text), phase=TEST))
+    with ref.unfused():
+        ref.forward()
+    monkeypatch.setattr(Net, "PLAN_MAX_LAYERS", 3)
+    net = randomize(Net(P(text), phase=TEST))
+    assert not net.inference_enabled()
+    net.forward()
+    assert net._plan is None
+    assert_same_blobs(net, ref)

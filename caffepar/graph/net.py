@@ -33,6 +33,8 @@ ANONYMOUS_TOP = "(automatic)"
 INFERENCE_OFF = ("off", "0", "false", "no")
 #: A net whose plan a layer made stale this many forwards in a row runs layer by layer.
 STALE_PLANS = 3
+#: What a layer's pass runs in when its net already ignores floating-point errors.
+_NO_CHANGE = contextlib.nullcontext()
 
 log = logging.getLogger("caffepar")
 
@@ -115,6 +117,7 @@ class Net:
         self._region_blobs = []
         self._stale_plans = 0
         self._unfused = 0
+        self._errors_ignored = 0
         self._planned_range = None
         self.name = param.name
         if not (param.layer or param.layers):
@@ -138,6 +141,11 @@ class Net:
     BYTES_PER_LAYER = 1536
     #: Nets with at least this many layers show their build's progress.
     PROGRESS_LAYERS = 50000
+    #: A TEST net of more layers runs its forward layer by layer, with no inference plan: the
+    #: plan costs some 90 us and 2 KB a layer to make (measured on a chain of in-place
+    #: ReLUs), which a net of millions of tiny layers would not win back in ten forwards, and
+    #: its memory would double the net's.
+    PLAN_MAX_LAYERS = 100000
 
     def _check_memory(self, layers, smap):
         """Refuse a net whose layers alone would need more memory than the machine has."""
@@ -560,24 +568,41 @@ class Net:
                               "the net runs layer by layer", self.name,
                               self._layer_names[stale.layer], STALE_PLANS)
                 loss = plan._loss(stale.layer)
-                with self.unfused():
+                with self.unfused(), self.float_errors_ignored():
                     for i in range(stale.layer + 1, end + 1):
                         loss = self.forward_layer(i, loss, stale.layer + 1, end)
                 return loss
         loss = 0.0
-        for i in range(start, end + 1):
-            loss = self.forward_layer(i, loss, start, end)
+        with self.float_errors_ignored():
+            for i in range(start, end + 1):
+                loss = self.forward_layer(i, loss, start, end)
         return loss
 
     # ---------------------------------------------------------------- inference
     def inference_enabled(self):
         """Whether a forward of this net runs the inference plan: a TEST net (built by one
-        process: a parallel run's layers communicate) without force_backward, unless
-        CAFFEPAR_INFERENCE=off or inside unfused()."""
+        process: a parallel run's layers communicate) of at most PLAN_MAX_LAYERS layers
+        without force_backward, unless CAFFEPAR_INFERENCE=off or inside unfused()."""
         return (self.phase == TEST and not self._unfused and self.layer_factory is None
                 and not self._hooks
+                and len(self.layers) <= self.PLAN_MAX_LAYERS
                 and not self.param.force_backward and self._stale_plans < STALE_PLANS
                 and env("CAFFEPAR_INFERENCE", "on").strip().lower() not in INFERENCE_OFF)
+
+    @contextlib.contextmanager
+    def float_errors_ignored(self):
+        """Passes inside run with NumPy's floating-point errors ignored once for all their
+        layers: forward_layer and backward_layer otherwise do it layer by layer, some 3 us a
+        call (a net of millions of layers: seconds a pass)."""
+        self._errors_ignored += 1
+        try:
+            with np.errstate(all="ignore"):
+                yield self
+        finally:
+            self._errors_ignored -= 1
+
+    def _float_errors(self):
+        return _NO_CHANGE if self._errors_ignored else np.errstate(all="ignore")
 
     @contextlib.contextmanager
     def unfused(self):
@@ -623,7 +648,7 @@ class Net:
             return
         start, end = self._planned_range
         self._planned_range = None
-        with self.unfused():
+        with self.unfused(), self.float_errors_ignored():
             for i in range(start, end + 1):
                 if self.bottom_ids[i]:
                     self.forward_layer(i, 0.0, start, end)
@@ -631,8 +656,9 @@ class Net:
     def backward_from_to(self, start=None, end=0):
         self._rerun_unfused()
         start = len(self.layers) - 1 if start is None else start
-        for i in range(start, end - 1, -1):
-            self.backward_layer(i, self.layer_need_backward[i], start, end)
+        with self.float_errors_ignored():
+            for i in range(start, end - 1, -1):
+                self.backward_layer(i, self.layer_need_backward[i], start, end)
 
     def forward_layer(self, i, loss=0.0, start=None, end=None):
         """Reshape and forward layer i; return `loss` plus the weighted loss of its tops. In a
@@ -660,15 +686,22 @@ class Net:
                    and start <= self.step_forward[i])
         for o in self.observers:
             o.layer_start("forward", i)
-        layer.relu_top = self._relu_after(i, start, end)
-        with np.errstate(all="ignore"):     # non-finite values are Caffe's to carry, ours
+        # What the net hands a layer for one call (relu_top, step_top; relu_bottom and
+        # step_top_diff in backward) is set only where it changes from the class's None: an
+        # attribute a layer did not have unshares its attribute table, 640 bytes a layer (2 GB
+        # more for a net of 3 million layers after one forward).
+        relu = self._relu_after(i, start, end)
+        if relu is not layer.relu_top:
+            layer.relu_top = relu
+        with self._float_errors():          # non-finite values are Caffe's to carry, ours
             if not stepped:                 # to report once (the solver's non-finite check)
                 layer.reshape(bottoms, tops)
             if start is not None and self._steps_inside.get(i, end + 1) <= end:
                 layer.step_top = self._forward_step(self._steps_inside[i], end)
             if not (folded or stepped):
                 layer.forward(bottoms, tops)
-            layer.step_top = None
+            if layer.step_top is not None:
+                layer.step_top = None
         for j, top in enumerate(tops):
             if layer.loss_weights[j]:
                 loss += float(np.vdot(top.data, top.diff))
@@ -685,7 +718,9 @@ class Net:
         """Layer p reshaped and its forward as an image step for the layer before it."""
         layer = self.layers[p]
         bottoms, tops = self._blobs_of(self.bottom_ids[p]), self._blobs_of(self.top_ids[p])
-        layer.relu_top = self._relu_after(p, p, end)
+        relu = self._relu_after(p, p, end)
+        if relu is not layer.relu_top:
+            layer.relu_top = relu
         layer.reshape(bottoms, tops)
         return layer.image_step(bottoms, tops, True)
 
@@ -700,7 +735,8 @@ class Net:
             o.layer_start("backward", i)
         layer = self.layers[i]
         relu = self.relu_in_consumer.get(i - 1) if start is not None and i > end else None
-        layer.relu_bottom = relu
+        if relu is not layer.relu_bottom:
+            layer.relu_bottom = relu
         if start is not None and i < start and i in self.relu_in_consumer:
             run = False
         if start is not None and i in self.step_backward and self.step_backward[i] >= end:
@@ -710,10 +746,11 @@ class Net:
             layer.step_top_diff = self.layers[p].image_step(
                 self._blobs_of(self.bottom_ids[p]), self._blobs_of(self.top_ids[p]), False)
         if run:
-            with np.errstate(all="ignore"):
+            with self._float_errors():
                 layer.backward(self._blobs_of(self.top_ids[i]), self.bottom_need_backward[i],
                                self._blobs_of(self.bottom_ids[i]))
-        layer.step_top_diff = None
+        if layer.step_top_diff is not None:
+            layer.step_top_diff = None
         for o in self.observers:
             o.layer_end("backward", i)
 
