@@ -307,10 +307,15 @@ def parallel_check(work, data, args, env, templates):
 
 # ---------------------------------------------------------------- outputs
 def cpu_name():
+    """The model name with its family and model numbers (a virtual CPU's name may hide them)."""
+    info = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    name = info.get("model name", "unknown CPU")
+    if "cpu family" in info and "model" in info:
+        name += f" (family {info['cpu family']} model {info['model']})"
+    return name
 
 
 def write_results(args, runs, timing, parallel, out):
@@ -343,7 +348,11 @@ def write_results(args, runs, timing, parallel, out):
         f"`python scripts/train_ssd.py --mobilenet-ssd DIR --caffe PATH/caffe --size {args.size} "
         f"--batch {args.batch} --base-lr {args.base_lr:g} --lr-mult {args.lr_mult:g} "
         f"--iterations {args.iterations} --test-interval {args.test_interval} "
-        f"--eval-images {evaluated}` on {cpu_name()} ({os.cpu_count()} cores, shared with "
+        f"--test-images {args.test_images} "
+        + (f"--eval-images {args.eval_images} " if args.eval_images else "")
+        + f"--object-sizes {args.object_sizes[0]:g},{args.object_sizes[1]:g} "
+        f"--max-objects {args.max_objects} --parallel-iterations {args.parallel_iterations} "
+        f"--rounds {args.rounds} --time-iterations {args.time_iterations}` on {cpu_name()} ({os.cpu_count()} cores, shared with "
         "other jobs). DIR: chuanqi305/MobileNet-SSD; PATH/caffe: weiliu89/caffe `ssd` built "
         "CPU_ONLY (tests/fixtures/ssd/README.md). The fork ran with "
         f"OPENBLAS_CORETYPE={blas_core()} (Debian's OpenBLAS can fall back to an older kernel on "
