@@ -3,11 +3,13 @@
 detectors without downloading one:
 
     python scripts/make_shapes_voc.py OUT [--train 3000] [--test 500] [--seed 1]
+                                          [--sizes 0.08,0.6] [--max-objects 4]
 
 OUT gets JPEGImages/*.jpg, Annotations/*.xml (VOC: size, object name / difficult / bndbox in
 pixels), trainval.txt and test.txt ("JPEGImages/x.jpg Annotations/x.xml" lines, as the SSD
 fork's create_list.sh writes) and labelmap.prototxt. Five classes (circle, square, triangle,
-star, ring) in random colours, 1-4 objects per image at 8-60% of the image's side, images of
+star, ring) in random colours, 1-4 objects per image at 8-60% of the image's side (both
+adjustable), images of
 random size and aspect (160-280 px) over gradients, stripes, noise, blobs and clutter that
 shares the objects' colours. An object mostly hidden by a later one is marked difficult.
 The same seed gives the same files.
@@ -97,7 +99,7 @@ def tight_box(name, box):
     return (pts[:, 0].min(), pts[:, 1].min(), pts[:, 0].max(), pts[:, 1].max())
 
 
-def make_image(rng):
+def make_image(rng, sizes=(0.08, 0.6), max_objects=4):
     w = int(rng.integers(160, 281))
     h = int(rng.integers(160, 281))
     img = background(rng, w, h)
@@ -105,9 +107,9 @@ def make_image(rng):
     clutter(draw, rng, w, h)
     objects = []
     masks = []
-    for _ in range(int(rng.integers(1, 5))):
+    for _ in range(int(rng.integers(1, max_objects + 1))):
         name = CLASSES[int(rng.integers(len(CLASSES)))]
-        side = rng.uniform(0.08, 0.6) * min(w, h)
+        side = rng.uniform(*sizes) * min(w, h)
         x0, y0 = rng.uniform(0, w - side), rng.uniform(0, h - side)
         box = (x0, y0, x0 + side, y0 + side)
         color = tuple(int(v) for v in rng.integers(0, 256, 3))
@@ -154,8 +156,10 @@ def label_map_text():
                    for n, k, d in items)
 
 
-def make_dataset(out, train=3000, test=500, seed=1, quality=90):
-    """Write the dataset into `out`; returns the number of (train, test) images."""
+def make_dataset(out, train=3000, test=500, seed=1, quality=90, sizes=(0.08, 0.6),
+                 max_objects=4):
+    """Write the dataset into `out`; returns the number of (train, test) images. `sizes`: the
+    range of an object's side as a fraction of the image's shorter side."""
     os.makedirs(os.path.join(out, "JPEGImages"), exist_ok=True)
     os.makedirs(os.path.join(out, "Annotations"), exist_ok=True)
     for split, count, offset in (("trainval", train, 0), ("test", test, train)):
@@ -164,7 +168,7 @@ def make_dataset(out, train=3000, test=500, seed=1, quality=90):
             index = offset + k
             stem = f"{index:06d}"
             rng = np.random.default_rng([seed, index])
-            img, objects = make_image(rng)
+            img, objects = make_image(rng, sizes, max_objects)
             img.save(os.path.join(out, "JPEGImages", stem + ".jpg"), quality=quality)
             with open(os.path.join(out, "Annotations", stem + ".xml"), "w") as f:
                 f.write(voc_xml(stem, img.width, img.height, objects))
@@ -182,8 +186,13 @@ def main(argv=None):
     ap.add_argument("--train", type=int, default=3000)
     ap.add_argument("--test", type=int, default=500)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--sizes", default="0.08,0.6",
+                    help="min,max side of an object as a fraction of the image's shorter side")
+    ap.add_argument("--max-objects", type=int, default=4)
     args = ap.parse_args(argv)
-    n = make_dataset(args.out, args.train, args.test, args.seed)
+    sizes = tuple(float(v) for v in args.sizes.split(","))
+    n = make_dataset(args.out, args.train, args.test, args.seed, sizes=sizes,
+                     max_objects=args.max_objects)
     print(f"wrote {n[0]} training and {n[1]} test images to {args.out}", file=sys.stderr)
 
 
