@@ -83,15 +83,13 @@ def activation_call(y, ep):
 
 def epilogue_call(x, y, ep):
     """y = act(x * scale + shift) per channel along axis 1 (x may be y), as one call: the
-    compiled epilogue of caffepar.nn.conv in place (after a copy where x is not y), else
-    NumPy's passes."""
+    compiled epilogue of caffepar.nn.conv (one pass from x to y), else NumPy's passes."""
     from caffepar.nn.conv.epilogue import EpilogueArgs, prepare_epilogue
     if ep is None or ep.is_identity:
         return None if x is y else partial(np.copyto, y, x)
     if native.kernels(y.dtype) is not None and y.flags.c_contiguous and y.ndim >= 2 \
-            and x.dtype == y.dtype:
-        finish = prepare_epilogue(y, EpilogueArgs(ep, y.shape[1], y.dtype))
-        return finish if x is y else sequence([partial(np.copyto, y, x), finish])
+            and x.dtype == y.dtype and x.shape == y.shape and x.flags.c_contiguous:
+        return prepare_epilogue(y, EpilogueArgs(ep, y.shape[1], y.dtype), x)
     calls = []
     src = x
     if ep.scale is not None:

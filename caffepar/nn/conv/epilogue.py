@@ -73,25 +73,27 @@ def apply_epilogue(y, ep):
     return y
 
 
-def prepare_epilogue(y, epi):
-    """A call applying the EpilogueArgs `epi` to y (N, C, ...), C-contiguous, in place on the
-    compiled kernels: planes split between the threads where there are values enough."""
+def prepare_epilogue(y, epi, x=None):
+    """A call setting y (N, C, ...), C-contiguous, to the EpilogueArgs `epi` applied to x (of
+    y's shape, dtype and layout; by default y itself) on the compiled kernels, in one pass:
+    planes split between the threads where there are values enough."""
     from caffepar.nn.blas import blas_threads, run_parts, split_parts
+    x = y if x is None else x
     k = native.kernels(y.dtype)
     planes = y.shape[0] * y.shape[1]
     hw = y.size // max(planes, 1)
-    address, fields = native.ptr(y), native.ptr(epi.fields)
+    address, source, fields = native.ptr(y), native.ptr(x), native.ptr(epi.fields)
     fn, channels, refresh = k.apply_epilogue, y.shape[1], epi.refresh
     parts = [(r[0], r[-1] + 1) for r in split_parts(range(planes), blas_threads())] \
         if y.size >= THREAD_MIN_VALUES and planes > 1 else [(0, planes)]
 
-    def run(epi=epi, y=y):      # (keeps the arrays whose addresses it passes)
+    def run(epi=epi, y=y, x=x):      # (keeps the arrays whose addresses it passes)
         if refresh is not None:
             refresh()
         if len(parts) == 1:
-            fn(address, fields, channels, hw, *parts[0])
+            fn(address, source, fields, channels, hw, *parts[0])
         else:
-            run_parts(lambda p: fn(address, fields, channels, hw, *p), parts)
+            run_parts(lambda p: fn(address, source, fields, channels, hw, *p), parts)
     return run
 
 

@@ -85,7 +85,7 @@ SIGNATURES = {
     "conv_rows_block": "",
     "conv_group_forward": "pp",
     "conv_group_dw": "pp",
-    "apply_epilogue": "ppiiii",
+    "apply_epilogue": "pppiiii",
 }
 
 #: Kernels another kernel runs on the images of its own loop (kernels.c's image_step): their
