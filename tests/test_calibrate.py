@@ -102,7 +102,8 @@ def test_cache_per_cpu_model_and_build(cache, monkeypatch):
     assert calibrate._hashed_path(native) != first
 
 
-ORDER = ("direct", "winograd", "pointwise", "band", "im2col", "grid", "wide", "rows", "blas")
+ORDER = ("direct", "winograd", "pointwise", "band", "im2col", "grid", "wide", "rows", "blas",
+         "depthwise")
 
 
 def pass_timer(monkeypatch, fastest):

@@ -521,7 +521,8 @@ def test_engine_measured_once_and_cached(tmp_path, monkeypatch, kernel_path):
     monkeypatch.setenv("CAFFEPAR_CONV_ENGINES", "measure")
     monkeypatch.setattr(calibrate, "_chosen", {})
     timed = []
-    fake = {"direct": 5.0, "winograd": 4.0, "band": 3.0, "im2col": 1.0, "grid": 2.0}
+    fake = {"depthwise": 6.0, "direct": 5.0, "winograd": 4.0, "band": 3.0, "im2col": 1.0,
+            "grid": 2.0}
 
     def timing(run, engine):
         run(engine)
@@ -532,7 +533,8 @@ def test_engine_measured_once_and_cached(tmp_path, monkeypatch, kernel_path):
     shape = ((9, 9), (4, 3, 3, 3), (1, 1), (1, 1), (1, 1), 1)
     g = geometry.Geom(*shape[0:1], shape[1][2:], *shape[2:5])
     able = dispatch.candidates(g, 3, 1, np.dtype(np.float32))
-    assert able == ["direct"] * (kernel_path == "native") + ["winograd", "band", "im2col", "grid"]
+    native = kernel_path == "native"
+    assert able == ["depthwise", "direct"] * native + ["winograd", "band", "im2col", "grid"]
     assert cm.conv_engine(*shape, batch=2) == "im2col"
     # Per pass (forward, backward): every engine once, then the rounds on those within 2x of
     # the best (im2col alone).
