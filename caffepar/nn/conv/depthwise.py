@@ -28,6 +28,8 @@ from caffepar.nn.conv.epilogue import EP_FIELDS, EpilogueArgs
 #: The rule: groups with at most this many input channels run here (depthwise layers, and
 #: grouped layers of a few channels per group); wider groups are left to the GEMM engines.
 MAX_GROUP_CHANNELS = 16
+#: Dense layers (group 1) are a candidate up to this many output pixels (a 32x32 map).
+DENSE_MAX_PIXELS = 1024
 #: Work below this many multiply-adds runs on the calling thread alone: waking a second
 #: thread costs more than it saves on a small layer.
 THREAD_MIN_MACS = 400_000
@@ -51,8 +53,11 @@ def applicable(g, cg, group, dt):
     ones (one group of every channel) as a measured candidate. On small maps a dense layer's
     GEMM engines cost tens of microseconds in calls and copies where this kernel takes a few
     (a 3x3 layer of 8 channels on 4x4: 1.4 us against 73), and on 7x7 to 19x19 maps its
-    register tile outruns a GEMM of the same multiply-adds."""
-    return (g.nd == 2 and max(g.stride) <= MAX_STRIDE and native.kernels(dt) is not None)
+    register tile outruns a GEMM of the same multiply-adds. Not on larger maps (up to
+    DENSE_MAX_PIXELS output pixels): there the GEMMs hold their own, and dw (one thread per
+    group) would make a first run's measurement of every large layer cost seconds."""
+    return (g.nd == 2 and max(g.stride) <= MAX_STRIDE and native.kernels(dt) is not None
+            and (group > 1 or math.prod(g.out) <= DENSE_MAX_PIXELS))
 
 
 def usable(g, cg, group, dt):
