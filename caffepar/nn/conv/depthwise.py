@@ -28,8 +28,10 @@ from caffepar.nn.conv.epilogue import EP_FIELDS, EpilogueArgs
 #: The rule: groups with at most this many input channels run here (depthwise layers, and
 #: grouped layers of a few channels per group); wider groups are left to the GEMM engines.
 MAX_GROUP_CHANNELS = 16
-#: Dense layers (group 1) are a candidate up to this many output pixels (a 32x32 map).
-DENSE_MAX_PIXELS = 1024
+#: Dense layers (group 1) are a candidate while an image's input is at most this big.
+DENSE_MAX_BYTES = 2 << 20
+#: Dense layers (group 1) are a backward candidate up to this many output pixels (32x32).
+DENSE_BACKWARD_PIXELS = 1024
 #: Work below this many multiply-adds runs on the calling thread alone: waking a second
 #: thread costs more than it saves on a small layer.
 THREAD_MIN_MACS = 400_000
@@ -53,11 +55,19 @@ def applicable(g, cg, group, dt):
     ones (one group of every channel) as a measured candidate. On small maps a dense layer's
     GEMM engines cost tens of microseconds in calls and copies where this kernel takes a few
     (a 3x3 layer of 8 channels on 4x4: 1.4 us against 73), and on 7x7 to 19x19 maps its
-    register tile outruns a GEMM of the same multiply-adds. Not on larger maps (up to
-    DENSE_MAX_PIXELS output pixels): there the GEMMs hold their own, and dw (one thread per
-    group) would make a first run's measurement of every large layer cost seconds."""
+    register tile outruns a GEMM of the same multiply-adds -- while an image's input, which
+    the kernel lays out whole, stays within DENSE_MAX_BYTES (VGG-16's 224x224x64 layers ran
+    far slower here, and timing them made a first run a minute longer); backward_applicable
+    bounds its backward."""
     return (g.nd == 2 and max(g.stride) <= MAX_STRIDE and native.kernels(dt) is not None
-            and (group > 1 or math.prod(g.out) <= DENSE_MAX_PIXELS))
+            and (group > 1 or cg * math.prod(g.in_sp) * dt.itemsize <= DENSE_MAX_BYTES))
+
+
+def backward_applicable(g, group):
+    """Whether a backward pass may be measured here: grouped layers, and dense ones on maps of
+    up to DENSE_BACKWARD_PIXELS output pixels (dw runs each group in one thread: on a large
+    dense layer it is slow, and timing it costs a first run seconds)."""
+    return group > 1 or math.prod(g.out) <= DENSE_BACKWARD_PIXELS
 
 
 def usable(g, cg, group, dt):

@@ -54,6 +54,8 @@ def _engine(g, cg, og, group, n, dt, passes="forward"):
     if getattr(_forced, "shape", None) == shape and _forced.passes == passes:
         return _forced.engine
     able = _candidates(g, cg, group, dt, native.mode())
+    if passes != "forward" and "depthwise" in able and not depthwise.backward_applicable(g, group):
+        able = tuple(e for e in able if e != "depthwise")
     mode = calibrate.mode()
     if mode in able:
         return mode
