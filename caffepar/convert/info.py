@@ -53,6 +53,15 @@ def _count(shape):
     return math.prod(shape) if shape is not None else 0
 
 
+_ELEMENTWISE = frozenset(("Scale", "Bias", "ReLU", "PReLU", "ELU", "Sigmoid", "TanH", "AbsVal",
+                          "Power", "Exp", "Log", "BNLL", "Threshold", "Clip", "Swish", "MVN",
+                          "Reduction", "ReLU6"))
+_NO_FLOPS = frozenset(("Input", "DummyData", "Data", "ImageData", "HDF5Data", "MemoryData",
+                       "Split", "AnnotatedData", "WindowData", "Concat", "Slice", "Flatten",
+                       "Reshape", "Dropout", "Silence", "Crop", "Tile", "Parameter", "Filter",
+                       "BatchReindex", "Python", "ShuffleChannel"))
+
+
 def layer_flops(layer, bottom_shapes, top_shapes):
     """Forward FLOPs of one layer (multiply-adds count 2); elementwise layers count one per
     output value, layers that only move data count nothing."""
@@ -82,13 +91,9 @@ def layer_flops(layer, bottom_shapes, top_shapes):
         return 4 * _count(bottom_shapes[0])
     if t == "BatchNorm":
         return 2 * out
-    if t in ("Scale", "Bias", "ReLU", "PReLU", "ELU", "Sigmoid", "TanH", "AbsVal", "Power",
-             "Exp", "Log", "BNLL", "Threshold", "Clip", "Swish", "MVN", "Reduction", "ReLU6"):
+    if t in _ELEMENTWISE:
         return out * (2 if t == "Scale" and len(layer.blobs) > 1 else 1)
-    if t in ("Input", "DummyData", "Data", "ImageData", "HDF5Data", "MemoryData", "Split",
-             "AnnotatedData", "WindowData",
-             "Concat", "Slice", "Flatten", "Reshape", "Dropout", "Silence", "Crop", "Tile",
-             "Parameter", "Filter", "BatchReindex", "Python", "ShuffleChannel"):
+    if t in _NO_FLOPS:
         return 0
     return out
 
@@ -141,15 +146,18 @@ class _LayerInfos:
 
     def __iter__(self):
         net = self.net
-        for i, layer in enumerate(net.layers):
-            if _auto_split(net, layer):
+        blobs, names = net.blob_list, net.blob_names
+        for layer, bottom_ids, top_ids in zip(net.layers, net.bottom_ids, net.top_ids):
+            if layer.type == "Split" and _auto_split(net, layer):
                 continue
-            bshapes = [net.blob_list[b].shape for b in net.bottom_ids[i]]
-            tshapes = [net.blob_list[t].shape for t in net.top_ids[i]]
+            bshapes = [blobs[b].data.shape for b in bottom_ids]
+            tshapes = [blobs[t].data.shape for t in top_ids]
+            params = layer.blobs
             # By position: two layers may share a name (Caffe allows it), not net.bottom_names.
-            yield LayerInfo(layer.name, layer.type, [net.blob_names[b] for b in net.bottom_ids[i]],
-                            [net.blob_names[t] for t in net.top_ids[i]], tshapes,
-                            sum(b.count for b in layer.blobs), [tuple(b.shape) for b in layer.blobs],
+            yield LayerInfo(layer.name, layer.type, [names[b] for b in bottom_ids],
+                            [names[t] for t in top_ids], tshapes,
+                            sum(b.count for b in params) if params else 0,
+                            [tuple(b.shape) for b in params] if params else [],
                             layer_flops(layer, bshapes, tshapes))
 
 
