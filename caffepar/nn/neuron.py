@@ -61,8 +61,9 @@ class NeuronLayer(Layer):
 def _compiled(*arrays):
     """The compiled kernels when every array is C-contiguous (float ones of one dtype), else
     None."""
-    if not all(a.flags.c_contiguous for a in arrays):
-        return None
+    for a in arrays:
+        if not a.flags.c_contiguous:
+            return None
     return native.kernels(arrays[0].dtype)
 
 
