@@ -106,8 +106,14 @@ def env(name, default=None):
     raw = getattr(os.environ, "_data", None)
     if os.name != "posix" or not isinstance(raw, dict):
         return os.environ.get(name, default)
-    value = raw.get(name.encode(_ENCODING, "surrogateescape"))
+    key = _KEYS.get(name)
+    if key is None:
+        key = _KEYS[name] = name.encode(_ENCODING, "surrogateescape")
+    value = raw.get(key)
     return default if value is None else value.decode(_ENCODING, "surrogateescape")
+
+
+_KEYS = {}      # a variable's name -> its bytes in os.environ's byte dictionary
 
 
 _ENCODING = sys.getfilesystemencoding()

@@ -39,6 +39,10 @@ class NetInfo:
     flops: int
     plan: list = field(default_factory=list)
     weights_path: str = None
+    # The report's column widths and the layer modes they were measured with (_measure), so
+    # that info_lines goes over the layers once more, not twice.
+    widths: list = field(default=None, repr=False, compare=False)
+    widths_modes: dict = field(default=None, repr=False, compare=False)
     missing: list = field(default_factory=list)
     unused: list = field(default_factory=list)
     mismatched: list = field(default_factory=list)
@@ -47,6 +51,15 @@ class NetInfo:
 
 def _count(shape):
     return math.prod(shape) if shape is not None else 0
+
+
+_ELEMENTWISE = frozenset(("Scale", "Bias", "ReLU", "PReLU", "ELU", "Sigmoid", "TanH", "AbsVal",
+                          "Power", "Exp", "Log", "BNLL", "Threshold", "Clip", "Swish", "MVN",
+                          "Reduction", "ReLU6"))
+_NO_FLOPS = frozenset(("Input", "DummyData", "Data", "ImageData", "HDF5Data", "MemoryData",
+                       "Split", "AnnotatedData", "WindowData", "Concat", "Slice", "Flatten",
+                       "Reshape", "Dropout", "Silence", "Crop", "Tile", "Parameter", "Filter",
+                       "BatchReindex", "Python", "ShuffleChannel"))
 
 
 def layer_flops(layer, bottom_shapes, top_shapes):
@@ -78,13 +91,9 @@ def layer_flops(layer, bottom_shapes, top_shapes):
         return 4 * _count(bottom_shapes[0])
     if t == "BatchNorm":
         return 2 * out
-    if t in ("Scale", "Bias", "ReLU", "PReLU", "ELU", "Sigmoid", "TanH", "AbsVal", "Power",
-             "Exp", "Log", "BNLL", "Threshold", "Clip", "Swish", "MVN", "Reduction", "ReLU6"):
+    if t in _ELEMENTWISE:
         return out * (2 if t == "Scale" and len(layer.blobs) > 1 else 1)
-    if t in ("Input", "DummyData", "Data", "ImageData", "HDF5Data", "MemoryData", "Split",
-             "AnnotatedData", "WindowData",
-             "Concat", "Slice", "Flatten", "Reshape", "Dropout", "Silence", "Crop", "Tile",
-             "Parameter", "Filter", "BatchReindex", "Python", "ShuffleChannel"):
+    if t in _NO_FLOPS:
         return 0
     return out
 
@@ -130,22 +139,25 @@ def _compare(net, model):
 class _LayerInfos:
     """NetInfo.layers: a LayerInfo for each layer the prototxt wrote (no automatic Split),
     made afresh at each iteration from the net, so that a net of millions of layers does not
-    hold them all (format_info goes over them twice)."""
+    hold them all (net_info and info_lines go over them once each)."""
 
     def __init__(self, net):
         self.net = net
 
     def __iter__(self):
         net = self.net
-        for i, layer in enumerate(net.layers):
-            if _auto_split(net, layer):
+        blobs, names = net.blob_list, net.blob_names
+        for layer, bottom_ids, top_ids in zip(net.layers, net.bottom_ids, net.top_ids):
+            if layer.type == "Split" and _auto_split(net, layer):
                 continue
-            bshapes = [net.blob_list[b].shape for b in net.bottom_ids[i]]
-            tshapes = [net.blob_list[t].shape for t in net.top_ids[i]]
+            bshapes = [blobs[b].data.shape for b in bottom_ids]
+            tshapes = [blobs[t].data.shape for t in top_ids]
+            params = layer.blobs
             # By position: two layers may share a name (Caffe allows it), not net.bottom_names.
-            yield LayerInfo(layer.name, layer.type, [net.blob_names[b] for b in net.bottom_ids[i]],
-                            [net.blob_names[t] for t in net.top_ids[i]], tshapes,
-                            sum(b.count for b in layer.blobs), [tuple(b.shape) for b in layer.blobs],
+            yield LayerInfo(layer.name, layer.type, [names[b] for b in bottom_ids],
+                            [names[t] for t in top_ids], tshapes,
+                            sum(b.count for b in params) if params else 0,
+                            [tuple(b.shape) for b in params] if params else [],
                             layer_flops(layer, bshapes, tshapes))
 
 
@@ -156,6 +168,9 @@ def net_info(model, weights=None, phase=None, level=0, stages=()):
     net = model if isinstance(model, Net) else \
         Net(model, phase=TEST if phase is None else phase, level=level, stages=stages)
     layers = _LayerInfos(net)
+    plan = make_plan(net, source_map=net.source_map)
+    modes = _modes(plan)
+    flops, widths = _measure(layers, modes)
     # Shared parameters are stored once.
     params = sum(b.count for b in net.learnable_params)
     seen, activations = set(), 0
@@ -165,8 +180,7 @@ def net_info(model, weights=None, phase=None, level=0, stages=()):
             activations += blob.count * blob.data.itemsize
     info = NetInfo(net.name, {n: tuple(net.blobs[n].shape) for n in net.inputs},
                    list(net.outputs), layers, params, params * np.dtype(net.dtype).itemsize,
-                   activations, sum(lay.flops for lay in layers))
-    info.plan = make_plan(net, source_map=net.source_map)
+                   activations, flops, plan, widths=widths, widths_modes=modes)
     if weights is not None:
         from caffepar.convert.npz import open_weights
         model_file = open_weights(weights)
@@ -183,7 +197,16 @@ def _human(n, unit=""):
 
 
 def _shape_text(shapes):
-    return ", ".join("x".join(str(d) for d in s) if s else "scalar" for s in shapes)
+    key = tuple(shapes)
+    text = _SHAPE_TEXTS.get(key)
+    if text is None:
+        text = ", ".join("x".join(str(d) for d in s) if s else "scalar" for s in key)
+        if len(_SHAPE_TEXTS) < 4096:
+            _SHAPE_TEXTS[key] = text
+    return text
+
+
+_SHAPE_TEXTS = {}   # the shapes -> their text (a net's layers repeat a few shapes)
 
 
 def format_info(info):
@@ -191,29 +214,46 @@ def format_info(info):
     return "\n".join(info_lines(info))
 
 
-def _rows(info, modes):
-    yield ("layer", "type", "bottoms -> tops", "output shape", "params", "MB", "MFLOPs", "mode")
-    for lay in info.layers:
-        yield (lay.name, lay.type, f"{','.join(lay.bottoms) or '-'} -> {','.join(lay.tops) or '-'}",
+def _modes(plan):
+    return {p.name: p.mode for p in plan}
+
+
+def _measure(layers, modes):
+    """(FLOPs of the layers, the report's column widths) in one pass over the layers."""
+    flops, widths = 0, [0] * 8
+    for lay, row in _rows(layers, modes, with_layers=True):
+        if lay is not None:
+            flops += lay.flops
+        widths = list(map(max, widths, map(len, row)))
+    return flops, widths
+
+
+def _rows(layers, modes, with_layers=False):
+    """The report's table: its header, then a row for each layer ((LayerInfo or None for the
+    header, row) with_layers)."""
+    header = ("layer", "type", "bottoms -> tops", "output shape", "params", "MB", "MFLOPs", "mode")
+    yield (None, header) if with_layers else header
+    for lay in layers:
+        row = (lay.name, lay.type, f"{','.join(lay.bottoms) or '-'} -> {','.join(lay.tops) or '-'}",
                _shape_text(lay.top_shapes), f"{lay.params:,}" if lay.params else "",
                f"{lay.params * 4 / 2 ** 20:.2f}" if lay.params else "",
                f"{lay.flops / 1e6:.1f}" if lay.flops else "", modes.get(lay.name, ""))
+        yield (lay, row) if with_layers else row
 
 
 def info_lines(info):
-    """format_info's lines, one at a time: the table is gone over twice (its column widths,
-    then its lines), never held whole."""
-    modes = {p.name: p.mode for p in info.plan}
-    widths = [0] * 8
-    for row in _rows(info, modes):
-        widths = [max(w, len(v)) for w, v in zip(widths, row)]
-    right = {4, 5, 6}
+    """format_info's lines, one at a time, the table never held whole: its column widths are
+    net_info's, measured with the FLOPs (or measured here, for a NetInfo changed since)."""
+    modes = _modes(info.plan)
+    widths = info.widths
+    if widths is None or info.widths_modes != modes:
+        _flops, widths = _measure(info.layers, modes)
+    just = [str.rjust if c in (4, 5, 6) else str.ljust for c in range(8)]
     yield (f'net "{info.name}": inputs '
            + ", ".join(f"{n} {_shape_text([s])}" for n, s in info.inputs.items())
            + f"; outputs {', '.join(info.outputs)}")
-    for row in _rows(info, modes):
-        yield "  ".join(v.rjust(w) if c in right else v.ljust(w)
-                        for c, (v, w) in enumerate(zip(row, widths))).rstrip()
+    for row in _rows(info.layers, modes):
+        yield "  ".join([f(v, w) for f, v, w in zip(just, row, widths)]).rstrip()
     yield (f"total: {info.params:,} parameters ({info.param_bytes / 2 ** 20:.1f} MB), "
            f"{info.activation_bytes / 2 ** 20:.1f} MB of activations, "
            f"{_human(info.flops, 'FLOPs')} per forward pass")

@@ -7,6 +7,7 @@ view), so a data-parallel run can reduce every gradient with a single call.
 """
 import contextlib
 import functools
+import gc
 import logging
 import os
 from collections import Counter, OrderedDict
@@ -53,6 +54,21 @@ class SharedList(list):
     __setitem__ = __delitem__ = __iadd__ = __imul__ = _shared
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """No cyclic garbage collection inside: building a net makes several objects a layer that
+    live as long as the net, and the collector, which runs again each time a quarter more
+    such objects have come, would go over all of them some ten times for a net of millions
+    of layers (and find nothing to free)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class LayerHook:
     """A pycaffe hook as a net observer: fn(i) at the start or the end of layer i's pass."""
 
@@ -93,6 +109,12 @@ class Net:
 
     def __init__(self, source, phase=TEST, level=0, stages=(), weights=None, dtype=np.float32,
                  shard=(0, 1), layer_factory=None):
+        with _collector_paused():
+            self._construct(source, phase, level, stages, dtype, shard, layer_factory)
+        if weights is not None:
+            self.copy_from(weights)
+
+    def _construct(self, source, phase, level, stages, dtype, shard, layer_factory):
         param, smap = load_net_param(source)
         param.state.phase = phase
         param.state.level = level
@@ -131,8 +153,6 @@ class Net:
         self._check_memory(len(param.layer), smap)
         self.param = param
         self._build(param)
-        if weights is not None:
-            self.copy_from(weights)
 
     # ---------------------------------------------------------------- construction
     #: Memory a layer of a built net takes beyond its blobs' data (measured: 1.33 KB a layer, at

@@ -9,7 +9,8 @@ from caffepar.nn.base import LAYERS, Layer, _known, layer_class, register
 
 
 def create_layer(param, phase, dtype, where=None):
-    where = where or {}
+    if where is None:
+        where = {}
     cls = _known(param.type) or layer_class(param.type, param.name, where.get("line"),
                                             where.get("path"))
     return cls(param, phase, dtype, where)

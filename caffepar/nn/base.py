@@ -90,6 +90,9 @@ def check_layer_types(layer_params, source_map=None):
                    f"types: {', '.join(sorted(LAYERS))})", path=path, line=lines[0])
 
 
+_NO_LOSS = [(0.0,) * n for n in range(8)]     # loss weights of layers with no loss, by tops
+
+
 class Layer:
     """One Caffe layer. Subclasses set the blob-count limits and implement
     `layer_setup` (check params, create parameter blobs), `reshape`, `forward` and `backward`,
@@ -170,9 +173,14 @@ class Layer:
                           path=self.where.get("path"), line=self.where.get("line"), hint=hint)
 
     def check_blob_counts(self, bottom, top):
-        self._check_count("bottom", len(bottom), self.exact_bottoms, self.min_bottoms,
-                          self.max_bottoms)
-        self._check_count("top", len(top), self.exact_tops, self.min_tops, self.max_tops)
+        exact = self.exact_bottoms
+        if exact is None or len(bottom) != exact or self.min_bottoms is not None \
+                or self.max_bottoms is not None:
+            self._check_count("bottom", len(bottom), exact, self.min_bottoms, self.max_bottoms)
+        exact = self.exact_tops
+        if exact is None or len(top) != exact or self.min_tops is not None \
+                or self.max_tops is not None:
+            self._check_count("top", len(top), exact, self.min_tops, self.max_tops)
 
     def _check_count(self, what, n, exact, low, high):
         if exact is not None and n != exact:
@@ -190,10 +198,12 @@ class Layer:
         self.set_loss_weights(top)
 
     def set_loss_weights(self, top):
-        weights = list(self.param.loss_weight)
+        weights = self.param.loss_weight
         if not weights and not self.is_loss:
-            self.loss_weights = (0.0,) * len(top)
+            self.loss_weights = _NO_LOSS[len(top)] if len(top) < len(_NO_LOSS) else \
+                (0.0,) * len(top)
             return
+        weights = list(weights)
         if self.is_loss and not weights:
             weights = [1.0]
         if len(weights) > len(top):

@@ -61,8 +61,9 @@ class NeuronLayer(Layer):
 def _compiled(*arrays):
     """The compiled kernels when every array is C-contiguous (float ones of one dtype), else
     None."""
-    if not all(a.flags.c_contiguous for a in arrays):
-        return None
+    for a in arrays:
+        if not a.flags.c_contiguous:
+            return None
     return native.kernels(arrays[0].dtype)
 
 
@@ -96,7 +97,12 @@ def relu_forward(x, y, slope, scratch=None):
     scratch = scratch or (lambda name, size, dtype: np.empty(min(CHUNK, size), dtype))
     k = _compiled(x, y)
     if k is not None:       # 3-4x NumPy's np.maximum, which also checks for NaNs
-        _side_by_side(k.relu_forward, (x, y), (slope,))
+        n = x.size
+        if n < 2 * CHUNK:   # in place, one address read (a net of millions of tiny ReLUs)
+            px = native.ptr(x)
+            k.relu_forward(px, px if y is x else native.ptr(y), n, slope)
+        else:
+            _side_by_side(k.relu_forward, (x, y), (slope,))
         return
     buf, below = scratch("neg", x.size, x.dtype), scratch("below", x.size, bool)
     for xc, yc in _chunks(x, y):

@@ -120,12 +120,12 @@ def make_plan(net, planner=None, source_map=None):
         raise NetError(f"--model-parallel names layers not in the net: {', '.join(sorted(unknown))}")
     plans = []
     for i, layer in enumerate(net.layers):
-        params = sum(b.count for b in layer.blobs)
         if not layer.blobs:
             if layer.param.HasField("parallel_mode") and \
                     layer.param.parallel_mode == caffe_pb2.LayerParameter.MODEL:
                 raise _not_shardable(layer.param, source_map)
             continue
+        params = sum(b.count for b in layer.blobs)
         shape = {}
         if layer.type == "InnerProduct":
             bottom = net.blob_list[net.bottom_ids[i][0]].shape
