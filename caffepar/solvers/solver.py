@@ -522,15 +522,7 @@ class Solver:
         n = p.test_iter[test_net_id]
         scores = None
         loss = np.float32(0)
-        for _ in range(n):
-            request = self.requested_action()
-            if request == "snapshot":
-                self.snapshot()
-            elif request == "stop":
-                self.requested_early_exit = True
-            if self.requested_early_exit:
-                break
-            iter_loss = test_net.forward_from_to()
+        for iter_loss in self._test_forwards(test_net, n):
             if p.test_compute_loss:
                 loss += np.float32(iter_loss)
             values = [np.asarray(test_net.blobs[name].data, np.float32).reshape(-1)
@@ -564,6 +556,19 @@ class Solver:
                 {prefix + k: v for k, v in results.items()})
         return results
 
+    def _test_forwards(self, test_net, n):
+        """The n forwards of a test, each after the signals' requests (a snapshot, or a stop
+        that ends the test early, as Caffe's Test does); yields each forward's loss."""
+        for _ in range(n):
+            request = self.requested_action()
+            if request == "snapshot":
+                self.snapshot()
+            elif request == "stop":
+                self.requested_early_exit = True
+            if self.requested_early_exit:
+                return
+            yield test_net.forward_from_to()
+
     def test_detection(self, test_net_id=0):
         """The SSD fork's TestDetection: the DetectionEvaluate rows of test_iter[id] forwards,
         gathered per output, give each output's mean average precision (ap_version)."""
@@ -575,15 +580,7 @@ class Solver:
         n = p.test_iter[test_net_id]
         rows = {name: [] for name in test_net.outputs}
         loss = np.float32(0)
-        for _ in range(n):
-            request = self.requested_action()
-            if request == "snapshot":
-                self.snapshot()
-            elif request == "stop":
-                self.requested_early_exit = True
-            if self.requested_early_exit:
-                break
-            iter_loss = test_net.forward_from_to()
+        for iter_loss in self._test_forwards(test_net, n):
             if p.test_compute_loss:
                 loss += np.float32(iter_loss)
             for name in test_net.outputs:
