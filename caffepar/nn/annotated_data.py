@@ -2,16 +2,15 @@
 from an LMDB or LevelDB, augmented for detection (caffepar/data/annotated.py), with the
 boxes that survive as a second top."""
 import logging
-import os
 
 import numpy as np
 
 from caffepar.data.annotated import AnnotatedTransformer, parse_record, read_label_map
-from caffepar.data.sources import backend_name, open_db, resolve_path
+from caffepar.data.sources import resolve_path
 from caffepar.data.transform import blob_proto_array
 from caffepar.errors import DataError
 from caffepar.nn.base import register
-from caffepar.nn.data import _StreamingDataLayer
+from caffepar.nn.data import _StreamingDataLayer, open_data_source
 from caffepar.proto import caffe_pb2
 
 log = logging.getLogger("caffepar")
@@ -36,16 +35,7 @@ class AnnotatedDataLayer(_StreamingDataLayer):
         p = self.param.data_param
         ap = self.param.annotated_data_param
         tp = self.param.transform_param
-        source = self.resolve(p.source, "data source")
-        try:
-            self.db = open_db(source, backend_name(p.backend))
-        except DataError as e:
-            hint = None
-            if backend_name(p.backend) == "leveldb" and \
-                    os.path.exists(os.path.join(source, "data.mdb")):
-                hint = "the source looks like an LMDB: set data_param { backend: LMDB }"
-            raise DataError(e.message, path=source, layer=self.name,
-                            layer_type=self.param.type, hint=hint) from None
+        self.db = open_data_source(self, p)
         if tp.force_color and tp.force_gray:
             raise self.error("cannot set both force_color and force_gray")
         self.color = True if tp.force_color else (False if tp.force_gray else None)

@@ -353,6 +353,21 @@ def _stack(layer, images, what):
     return np.stack(images)
 
 
+def open_data_source(layer, p):
+    """The database of data_param `p`'s source for `layer`, or a DataError naming the layer
+    (with a hint where an LMDB is read as LevelDB)."""
+    source = layer.resolve(p.source, "data source")
+    try:
+        return open_db(source, backend_name(p.backend))
+    except DataError as e:
+        hint = None
+        if backend_name(p.backend) == "leveldb" and \
+                os.path.exists(os.path.join(source, "data.mdb")):
+            hint = "the source looks like an LMDB: set data_param { backend: LMDB }"
+        raise DataError(e.message, path=source, layer=layer.name,
+                        layer_type=layer.param.type, hint=hint) from None
+
+
 @register("Data")
 class DataLayer(_StreamingDataLayer):
     """Datums from an LMDB or LevelDB, transformed; tops: data and optionally label."""
@@ -361,17 +376,8 @@ class DataLayer(_StreamingDataLayer):
 
     def layer_setup(self, bottom, top):
         p = self.param.data_param
-        source = self.resolve(p.source, "data source")
         self.transformer = _transformer(self)
-        try:
-            self.db = open_db(source, backend_name(p.backend))
-        except DataError as e:
-            hint = None
-            if backend_name(p.backend) == "leveldb" and \
-                    os.path.exists(os.path.join(source, "data.mdb")):
-                hint = "the source looks like an LMDB: set data_param { backend: LMDB }"
-            raise DataError(e.message, path=source, layer=self.name,
-                             layer_type=self.param.type, hint=hint) from None
+        self.db = open_data_source(self, p)
         self.num_records = len(self.db)
         self.batch_size = p.batch_size
         self.output_labels = len(top) > 1
