@@ -38,6 +38,7 @@ from google.protobuf import text_format  # noqa: E402
 from caffepar.graph.net import TEST, Net  # noqa: E402
 from caffepar.graph.passes import with_batch  # noqa: E402
 from caffepar.proto import caffe_pb2  # noqa: E402
+from check_inference_nets import randomize  # noqa: E402
 from cpuinfo import cpu_key, cpu_name  # noqa: E402
 
 SHAPE = (1, 8, 4, 4)
@@ -117,21 +118,6 @@ KINDS = ("conv + BatchNorm + Scale + ReLU", "depthwise conv + BN + Scale + ReLU6
          "conv 1x1 (bias)", "BatchNorm + Scale + ReLU (not in place)", "ReLU", "ReLU6",
          "Eltwise SUM", "Pooling MAX 3x3", "Softmax", "Permute", "Power",
          "Concat of 2 + Slice", "Flatten + Reshape + Split (free)")
-
-
-def randomize(net, seed=0):
-    rng = np.random.default_rng(seed)
-    for layer in net.layers:
-        for k, b in enumerate(layer.blobs):
-            fan_in = int(np.prod(b.shape[1:])) if k == 0 and b.data.ndim > 1 else 1
-            b.data[...] = rng.standard_normal(b.shape) * (1.5 / np.sqrt(fan_in)
-                                                          if fan_in > 1 else 0.5)
-        if layer.type == "BatchNorm":
-            layer.blobs[1].data[...] = rng.uniform(0.5, 2.0, layer.blobs[1].shape)
-            layer.blobs[2].data[...] = 1.0
-    for name in net.inputs:
-        net.blobs[name].data[...] = rng.standard_normal(net.blobs[name].shape)
-    return net
 
 
 def timed(net, repeat):

@@ -3,6 +3,7 @@ fused forward against the layer-by-layer forward (CAFFEPAR_INFERENCE=off) on net
 the patterns of the published ones, then what the plan must survive (partial forwards,
 reshaped inputs, edited weights, observers, layers it does not know, backward after it)."""
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,9 @@ from caffepar.graph.inference import describe, fold_for_inference, graph_of, inf
 from caffepar.graph.net import TEST, Net
 from caffepar.graph.passes import filter_net, insert_splits
 from caffepar.proto import caffe_pb2
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from bench_plan_overhead import shrunk  # noqa: E402  (the published nets at a small input)
 
 
 def P(text):
@@ -613,7 +617,7 @@ def test_published_nets_blob_by_blob(name):
     param = P(path.read_text())
     for shrink in (8, 4, 2, 1):
         try:
-            small = _shrunk(param, shrink)
+            small = shrunk(param, shrink)
             with shapes_only():
                 net = Net(small, phase=TEST)
             break
@@ -656,28 +660,6 @@ def _conv_macs(net):
             else:
                 total += net.blob_list[net.top_ids[i][0]].count * w.count // w.shape[0]
     return total
-
-
-def _shrunk(param, shrink):
-    """The net with its input's height and width divided by `shrink` (and its large fixed
-    poolings global)."""
-    out = caffe_pb2.NetParameter()
-    out.CopyFrom(param)
-    for lp in out.layer:
-        p = lp.pooling_param
-        if shrink > 1 and lp.type == "Pooling" and max(p.kernel_size, p.kernel_h) >= 7:
-            for field in ("kernel_size", "kernel_h", "kernel_w", "stride", "pad"):
-                p.ClearField(field)
-            p.global_pooling = True
-    shapes = [s for l in out.layer if l.type == "Input" for s in l.input_param.shape]
-    shapes += list(out.input_shape)
-    for s in shapes:
-        if len(s.dim) == 4:
-            s.dim[2], s.dim[3] = max(1, s.dim[2] // shrink), max(1, s.dim[3] // shrink)
-    if len(out.input_dim) == 4:
-        out.input_dim[2] = max(1, out.input_dim[2] // shrink)
-        out.input_dim[3] = max(1, out.input_dim[3] // shrink)
-    return out
 
 
 def test_caffepar_test_scores_as_without_the_plan(tmp_path, monkeypatch):
