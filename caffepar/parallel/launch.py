@@ -189,6 +189,9 @@ class Job:
     """Seconds the ranks have to end after SIGTERM before the launcher ends them."""
     RELAY_WAIT = 3.0
     """Seconds the relay may take to pass on the job's last output once mpiexec has ended."""
+    LEFTOVER_GRACE = 6.0
+    """Seconds ranks that outlive mpiexec get to end on their own: each notices a lost process
+    manager within its watchdog's second, then snapshots and writes its end record."""
     FAILURE_GRACE = 1.0
     """Seconds the other ranks get to end on their own once one has failed with a reason: they
     often meet the same error (a file every rank reads), and each is named. None after a
@@ -385,7 +388,7 @@ class Job:
             os.close(fd)
         self.pidfds.clear()
         left = [r for r, pid in self.pids.items() if r not in self.gone and process_alive(pid)]
-        deadline = time.monotonic() + (0.0 if self.cut else 2.0)
+        deadline = time.monotonic() + (0.0 if self.cut else self.LEFTOVER_GRACE)
         while left and time.monotonic() < deadline:
             time.sleep(0.05)
             left = [r for r in left if process_alive(self.pids[r])]
