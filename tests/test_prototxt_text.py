@@ -1,7 +1,11 @@
 """Reading prototxts: a long text is merged in parts with the same result as in one piece, its
 errors keep their file:line, progress is logged, every layer's line is found, and a file over
 the size limit is refused in one line."""
+import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 from google.protobuf import text_format
@@ -82,6 +86,71 @@ def test_an_error_deep_in_a_long_text_names_its_line(tmp_path, chunk_chars):
     assert info.value.line == target + 1
     assert f"long.prototxt:{target + 1}: error: syntax error: column " in str(info.value)
     assert '"tpye"' in str(info.value)
+
+
+PARALLEL_PARSE = r"""
+import json, sys
+from caffepar.proto import text
+path = sys.argv[1]
+text.CHUNK_CHARS = int(sys.argv[2])
+found = {"pooled": 0}
+pooled = text._pooled
+
+
+def counted(pool, parts):
+    for wired in pooled(pool, parts):
+        found["pooled"] += wired is not None
+        yield wired
+
+
+text._pooled = counted
+for label, parallel_chars in (("one", 1 << 40), ("many", 0)):
+    text.PARALLEL_CHARS = parallel_chars
+    try:
+        net, smap = text.read_net_text(path)
+    except Exception as e:
+        found[label] = {"error": str(e), "line": getattr(e, "line", None)}
+    else:
+        found[label] = {"net": net.SerializeToString().hex(), "lines": list(smap.layer_lines),
+                        "names": sorted(smap.by_name.items())}
+found["workers"] = text._parse_workers(10 ** 6, 100)
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: no parse workers")
+def test_parse_workers_give_what_one_process_gives(tmp_path):
+    """A long text turned into wire format by worker processes, a part each, gives the net,
+    layer lines and names one process gives; a part with an error is read in the main
+    process, which names its line."""
+    def run(text):
+        path = tmp_path / "long.prototxt"
+        path.write_text(text)
+        found = json.loads(subprocess.run(
+            [sys.executable, "-c", PARALLEL_PARSE, str(path), "3000"], capture_output=True,
+            text=True, check=True).stdout)
+        assert found["workers"] >= 2
+        return found["one"], found["many"], found["pooled"]
+
+    text = 'name: "plain"\ninput: "data"\n' + "".join(
+        f'layer {{\n  name: "conv{i}"\n  type: "Convolution"\n  bottom: "{b}"\n  top: "conv{i}"'
+        f'\n  convolution_param {{ num_output: 8 kernel_size: 3 weight_filler {{ type: '
+        f'"xavier" }} }}\n}}\nlayer {{ name: "relu{i}" type: "ReLU" bottom: "conv{i}" '
+        f'top: "conv{i}" }}\n' for i, b in enumerate(["data"] + [f"conv{k}" for k in range(499)]))
+    one, many, pooled = run(text)
+    assert "net" in one and len(one["lines"]) == 1000
+    assert many == one and pooled > 10      # parts text_wire takes, made by the workers
+    text = long_text(300)                   # written the many ways text format allows
+    one, many, _pooled = run(text)
+    assert "net" in one and len(one["lines"]) == 300 * 5
+    assert many == one
+    lines = text.split("\n")
+    target = len(lines) * 2 // 3
+    while "type:" not in lines[target]:
+        target += 1
+    lines[target] = lines[target].replace("type:", "tpye:")
+    one, many, _pooled = run("\n".join(lines))
+    assert many == one and one["line"] == target + 1 and '"tpye"' in one["error"], many
 
 
 def test_unbalanced_braces_are_left_to_the_parser(tmp_path):

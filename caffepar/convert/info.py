@@ -224,7 +224,9 @@ def _measure(layers, modes):
     for lay, row in _rows(layers, modes, with_layers=True):
         if lay is not None:
             flops += lay.flops
-        widths = list(map(max, widths, map(len, row)))
+        for c, cell in enumerate(row):
+            if len(cell) > widths[c]:
+                widths[c] = len(cell)
     return flops, widths
 
 
@@ -248,12 +250,14 @@ def info_lines(info):
     widths = info.widths
     if widths is None or info.widths_modes != modes:
         _flops, widths = _measure(info.layers, modes)
-    just = [str.rjust if c in (4, 5, 6) else str.ljust for c in range(8)]
+    # One format for the table's rows: numbers right-aligned, the rest left-aligned.
+    row_format = "  ".join(f"{{{c}:{'>' if c in (4, 5, 6) else '<'}{w}}}"
+                           for c, w in enumerate(widths)).format
     yield (f'net "{info.name}": inputs '
            + ", ".join(f"{n} {_shape_text([s])}" for n, s in info.inputs.items())
            + f"; outputs {', '.join(info.outputs)}")
     for row in _rows(info.layers, modes):
-        yield "  ".join([f(v, w) for f, v, w in zip(just, row, widths)]).rstrip()
+        yield row_format(*row).rstrip()
     yield (f"total: {info.params:,} parameters ({info.param_bytes / 2 ** 20:.1f} MB), "
            f"{info.activation_bytes / 2 ** 20:.1f} MB of activations, "
            f"{_human(info.flops, 'FLOPs')} per forward pass")

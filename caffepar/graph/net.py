@@ -228,7 +228,7 @@ class Net:
                 raise NetError("only InnerProduct layers can run model parallel "
                                "(parallel_mode: MODEL)", layer=name, layer_type=layer_type,
                                **where)
-            bottom_names, top_names = list(layer_param.bottom), list(layer_param.top)
+            bottom_names, top_names = layer_param.bottom[:], layer_param.top[:]  # lists
             propagate_down = layer_param.propagate_down
             if propagate_down and len(propagate_down) != len(bottom_names):
                 raise NetError("propagate_down must be given either 0 or bottom_size times",
@@ -656,9 +656,17 @@ class Net:
     def forward_host(self, i):
         """The layer whose forward runs layer i inside its own (an epilogue of the inference
         plan, or a ReLU or pooling folded as in training), or None."""
-        if self.inference_enabled() and self._plan is not None:
-            return self._plan.host_of.get(i)
+        planned = self.forward_host_table()
+        if planned is not None:
+            return planned.get(i)
         return i - 1 if i in self.relu_in_producer else self.step_forward.get(i)
+
+    def forward_host_table(self):
+        """{layer: the layer whose forward runs it} of the inference plan a forward runs, or
+        None where forwards run layer by layer (then forward_host knows)."""
+        if self.inference_enabled() and self._plan is not None:
+            return self._plan.host_of
+        return None
 
     def _rerun_unfused(self):
         """Before a backward: the last forward again layer by layer where it ran a plan, so
@@ -699,22 +707,29 @@ class Net:
                     self._stale_plans += 1
                     return loss + plan.layer_loss(i)
         layer = self.layers[i]
-        bottoms = self._blobs_of(self.bottom_ids[i])
-        tops = self._blobs_of(self.top_ids[i])
-        folded = start is not None and start < i and i in self.relu_in_producer
-        stepped = (start is not None and i in self.step_forward
-                   and start <= self.step_forward[i])
-        for o in self.observers:
+        blobs = self.blob_list
+        bottoms = [blobs[k] for k in self.bottom_ids[i]]
+        tops = [blobs[k] for k in self.top_ids[i]]
+        if start is None:
+            folded = stepped = False
+            relu = None
+        else:
+            folded = start < i and i in self.relu_in_producer
+            stepped = i in self.step_forward and start <= self.step_forward[i]
+            relu = self.relu_in_producer.get(i + 1) if i < end else None
+        observers = self.observers
+        for o in observers:
             o.layer_start("forward", i)
         # What the net hands a layer for one call (relu_top, step_top; relu_bottom and
         # step_top_diff in backward) is set only where it changes from the class's None: an
         # attribute a layer did not have unshares its attribute table, 640 bytes a layer (2 GB
         # more for a net of 3 million layers after one forward).
-        relu = self._relu_after(i, start, end)
         if relu is not layer.relu_top:
             layer.relu_top = relu
-        with self._float_errors():          # non-finite values are Caffe's to carry, ours
-            if not stepped:                 # to report once (the solver's non-finite check)
+        with _NO_CHANGE if self._errors_ignored else np.errstate(all="ignore"):
+            # non-finite values are Caffe's to carry, ours to report once (the solver's
+            # non-finite check)
+            if not stepped:
                 layer.reshape(bottoms, tops)
             if start is not None and self._steps_inside.get(i, end + 1) <= end:
                 layer.step_top = self._forward_step(self._steps_inside[i], end)
@@ -722,10 +737,12 @@ class Net:
                 layer.forward(bottoms, tops)
             if layer.step_top is not None:
                 layer.step_top = None
-        for j, top in enumerate(tops):
-            if layer.loss_weights[j]:
-                loss += float(np.vdot(top.data, top.diff))
-        for o in self.observers:
+        weights = layer.loss_weights
+        if any(weights):
+            for j, top in enumerate(tops):
+                if weights[j]:
+                    loss += float(np.vdot(top.data, top.diff))
+        for o in observers:
             o.layer_end("forward", i)
         return loss
 

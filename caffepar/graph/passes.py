@@ -164,17 +164,19 @@ def insert_splits(net, smap=None, inplace=False):
 
     last_top = {}
     for i, layer in enumerate(net.layer):
-        for j, name in enumerate(layer.bottom):
+        for j, name in enumerate(layer.bottom[:]):  # a slice: a list, faster than the field
             src = last_top.get(name)
             if src is None:
                 raise NetError(f"unknown bottom blob \"{name}\" (bottom index {j})",
                                layer=layer.name, layer_type=layer.type,
                                path=smap and smap.path, line=smap and smap.line_of(layer.name))
             consumed(src)
-        tops = layer.top
+        tops = layer.top[:]
         for j, name in enumerate(tops):
             last_top[name] = (i, j)
         weights = layer.loss_weight
+        if not weights:
+            continue
         for j in range(min(len(weights), len(tops))):
             src = last_top[tops[j]]
             loss_weight[src] = weights[j]

@@ -42,7 +42,8 @@ class NeuronLayer(Layer):
         pass
 
     def reshape(self, bottom, top):
-        top[0].reshape(bottom[0].shape)
+        if top[0] is not bottom[0]:          # in place: the shape is the bottom's already
+            top[0].reshape(bottom[0].shape)
 
     def prepare_forward(self, bottom, top):
         """A neuron's reshape depends on shapes alone: its forward is the call."""
@@ -94,7 +95,6 @@ def relu_forward(x, y, slope, scratch=None):
     dtype) gives the NumPy path its chunk buffers (default: fresh ones). As Caffe's std::max
     and std::min compute it: x where x < 0 is false (-0 and NaN kept), else +0 + slope * x
     (NumPy's maximum turns -0 into +0)."""
-    scratch = scratch or (lambda name, size, dtype: np.empty(min(CHUNK, size), dtype))
     k = _compiled(x, y)
     if k is not None:       # 3-4x NumPy's np.maximum, which also checks for NaNs
         n = x.size
@@ -104,6 +104,7 @@ def relu_forward(x, y, slope, scratch=None):
         else:
             _side_by_side(k.relu_forward, (x, y), (slope,))
         return
+    scratch = scratch or (lambda name, size, dtype: np.empty(min(CHUNK, size), dtype))
     buf, below = scratch("neg", x.size, x.dtype), scratch("below", x.size, bool)
     for xc, yc in _chunks(x, y):
         t, m = buf[:len(xc)], below[:len(xc)]

@@ -295,16 +295,35 @@ def _load():
 
 
 def kernels(dtype):
-    """The compiled kernels for arrays of `dtype`, or None: use the NumPy code."""
+    """The compiled kernels for arrays of `dtype`, or None: use the NumPy code. Asked before
+    every kernel call: an answer is kept per setting of CAFFEPAR_KERNELS and dtype (a net of
+    millions of tiny layers asks millions of times a pass)."""
+    global _answers_of
+    key = (env("CAFFEPAR_KERNELS"), dtype)
+    if _answers_of is _loaded:
+        found = _answers.get(key, _UNKNOWN)
+        if found is not _UNKNOWN:
+            return found
+    else:                       # the loaded kernels were replaced (tests)
+        _answers.clear()
+        _answers_of = _loaded
     m = mode()
     if m == "numpy":
-        return None
-    if m not in _loaded:
-        with _LOCK:
-            if m not in _loaded:
-                _loaded[m] = _load()
-    found = _loaded[m]
-    return None if found is None else found.get(np.dtype(dtype))
+        found = None
+    else:
+        if m not in _loaded:
+            with _LOCK:
+                if m not in _loaded:
+                    _loaded[m] = _load()
+        found = _loaded[m]
+        found = None if found is None else found.get(np.dtype(dtype))
+    _answers[key] = found
+    return found
+
+
+_answers = {}           # (CAFFEPAR_KERNELS, dtype) -> kernels' answer, from _answers_of
+_answers_of = None
+_UNKNOWN = object()
 
 
 @contextlib.contextmanager
