@@ -23,8 +23,9 @@ the figure a net's memory check assumes.
 With --against DIR (a source tree of another caffepar, e.g. `git archive COMMIT | tar -x -C
 DIR`) the build rows run with it too, one after the other, for ratios measured side by side.
 Generated texts live in a temporary folder and are removed. Writes OUT.csv, OUT.md and OUT.png.
-CPU seconds are the process's own (user + system), which a busy machine inflates less than
-wall seconds; the machine's load average is recorded with each row.
+CPU seconds are the process's own and its parse workers' (user + system), which a busy machine
+inflates less than wall seconds; the machine's load average is recorded with each row. A parse
+worker's peak RSS is reported on its own.
 """
 import argparse
 import csv
@@ -79,7 +80,9 @@ else:
     net = text.parse_text(raw, text.caffe_pb2.NetParameter(), sys.argv[2], chunk_chars=chunk)
 seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(seconds, cpu, (peak - base) / 1024, len(net.layer))
+workers = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(seconds, cpu + workers.ru_utime + workers.ru_stime, (peak - base) / 1024, len(net.layer),
+      workers.ru_maxrss / 1024)
 """
 
 # A process that imports what the command imports: the baseline its peak is measured above.
@@ -96,8 +99,9 @@ except SystemExit as e:
 else:
     code = 0
 r = resource.getrusage(resource.RUSAGE_SELF)
-print("measured", code, time.perf_counter() - t0, r.ru_utime + r.ru_stime, r.ru_maxrss,
-      file=sys.stderr)
+w = resource.getrusage(resource.RUSAGE_CHILDREN)
+print("measured", code, time.perf_counter() - t0, r.ru_utime + r.ru_stime + w.ru_utime
+      + w.ru_stime, r.ru_maxrss, w.ru_maxrss, file=sys.stderr)
 """
 COMMANDS = {"info": ["convert", "info"], "time": ["time", "--iterations", "1", "--model"]}
 # `net`: Net(path), which every command runs first (parse, upgrade, filter, splits, build).
@@ -107,8 +111,9 @@ from caffepar.graph.net import Net
 t0, c0 = time.perf_counter(), time.process_time()
 net = Net(sys.argv[1])
 r = resource.getrusage(resource.RUSAGE_SELF)
-print("measured", 0, time.perf_counter() - t0, time.process_time() - c0, r.ru_maxrss,
-      file=sys.stderr)
+w = resource.getrusage(resource.RUSAGE_CHILDREN)
+print("measured", 0, time.perf_counter() - t0, time.process_time() - c0 + w.ru_utime
+      + w.ru_stime, r.ru_maxrss, w.ru_maxrss, file=sys.stderr)
 """
 
 
@@ -145,12 +150,13 @@ def measure_parse(path, whole):
     out = subprocess.run([sys.executable, "-c", MEASURE, str(ROOT), str(path), str(4 << 20),
                           "whole" if whole else "parts"], env=_env(), cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout.split()
-    return float(out[0]), float(out[1]), float(out[2]), int(out[3])
+    return float(out[0]), float(out[1]), float(out[2]), int(out[3]), float(out[4])
 
 
 def measure_command(command, path, tree=ROOT):
-    """(ok, wall s, CPU s, peak RSS above the baseline in bytes, last progress line or error),
-    caffepar imported from `tree`."""
+    """(ok, wall s, CPU s (with its parse workers'), peak RSS above the baseline in bytes, the
+    largest parse worker's peak RSS in bytes, last progress line or error), caffepar imported
+    from `tree`."""
     # Run in `tree`: `python -c` puts the working folder first on the import path.
     base = int(subprocess.run([sys.executable, "-c", BASELINE], env=_env(tree), cwd=tree,
                               capture_output=True, text=True, check=True).stdout)
@@ -158,16 +164,17 @@ def measure_command(command, path, tree=ROOT):
         args = [NET] if command == "net" else [RUN, *COMMANDS[command]]
         done = subprocess.run([sys.executable, "-c", *args, str(path)], env=_env(tree),
                               cwd=tree, stdout=sink, stderr=subprocess.PIPE, text=True)
-    found = re.search(r"measured (\S+) (\S+) (\S+) (\d+)", done.stderr)
+    found = re.search(r"measured (\S+) (\S+) (\S+) (\d+) (\d+)", done.stderr)
     if not found:
         tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
-        return False, 0.0, 0.0, 0, tail[0][:200]
-    code, wall, cpu, peak = found.groups()
+        return False, 0.0, 0.0, 0, 0, tail[0][:200]
+    code, wall, cpu, peak, workers = found.groups()
     lines = done.stderr.splitlines()
     progress = [ln for ln in lines if ln.startswith(("Parsing", "Building"))]
     errors = [ln for ln in lines if ln.startswith("caffepar:")]
     last = (errors or progress or [""])[-1].replace(str(path), path.name)
-    return code in ("0", "None"), float(wall), float(cpu), (int(peak) - base) * 1024, last
+    return (code in ("0", "None"), float(wall), float(cpu), (int(peak) - base) * 1024,
+            int(workers) * 1024, last)
 
 
 def main():
@@ -199,12 +206,14 @@ def main():
                 if mode == "whole" and mb > args.whole_max:
                     continue
                 load = os.getloadavg()[0]
-                seconds, cpu, peak_mb, layers = measure_parse(path, mode == "whole")
+                seconds, cpu, peak_mb, layers, worker_mb = measure_parse(path, mode == "whole")
                 parse_rows.append({"text_mb": round(size / 1e6, 1), "layers": layers,
                                    "mode": mode, "seconds": round(seconds, 2),
                                    "cpu_seconds": round(cpu, 2),
                                    "mb_per_cpu_s": round(size / 1e6 / cpu, 2),
-                                   "peak_rss_mb": round(peak_mb), "load": round(load, 1)})
+                                   "peak_rss_mb": round(peak_mb),
+                                   "child_peak_rss_mb": round(worker_mb),
+                                   "load": round(load, 1)})
                 print(parse_rows[-1], flush=True)
             path.unlink()
         for layers in [int(float(s)) for s in args.layers.split(",") if s]:
@@ -215,13 +224,14 @@ def main():
             for command in args.commands.split(","):
                 for code, tree in trees:
                     load = os.getloadavg()[0]
-                    ok, wall, cpu, peak, last = measure_command(command, path, tree)
+                    ok, wall, cpu, peak, workers, last = measure_command(command, path, tree)
                     build_rows.append({"layers": layers, "text_mb": round(size / 1e6, 1),
                                        "code": code, "command": command, "ok": ok,
                                        "seconds": round(wall, 1),
                                        "cpu_seconds": round(cpu, 1),
                                        "peak_rss_gib": round(peak / 2 ** 30, 2),
                                        "bytes_per_layer": round(peak / layers),
+                                       "child_peak_rss_gib": round(workers / 2 ** 30, 2),
                                        "load": round(load, 1), "last_progress": last})
                     print(build_rows[-1], flush=True)
             path.unlink()
@@ -239,7 +249,13 @@ def write(out, parse_rows, build_rows, cpu, bytes_per_layer):
         w.writerows(rows)
     lines = ["# Long prototxts: parsing and building", "",
              f"CPU: {cpu}. Made by `scripts/bench_prototxt_parse.py` (its docstring says what "
-             "each row runs); each in a fresh process. CPU seconds are the process's own; "
+             "each row runs); each in a fresh process. CPU seconds are the process's own and "
+             "its parse workers' (a text of 32 MB or more is turned into wire format by one "
+             "worker process a core, up to 4: wall seconds fall below CPU seconds); child peak "
+             "RSS is the largest child process's (a parse worker, which shares the text with "
+             "the main process, or a tool the command ran: `time` runs `uname` and `gcc "
+             "--version` as its kernels load, whose peak before their program starts is the "
+             "parent's pages, shared, not memory of their own); "
              "`load` is the machine's 1-minute load average when the row started (other jobs "
              "shared its cores: wall seconds grow with it).", ""]
     if parse_rows:
@@ -248,10 +264,10 @@ def write(out, parse_rows, build_rows, cpu, bytes_per_layer):
                   "to protobuf's wire format, a few MB at a time); `whole`: protobuf's text "
                   "parser on the whole text. Peak RSS above the interpreter's own.", "",
                   "| text MB | layers | mode | seconds | CPU s | MB per CPU s | peak RSS MB | "
-                  "load |", "|---|---|---|---|---|---|---|---|"]
+                  "child peak RSS MB | load |", "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['text_mb']} | {r['layers']:,} | {r['mode']} | {r['seconds']} | "
-                  f"{r['cpu_seconds']} | {r['mb_per_cpu_s']} | {r['peak_rss_mb']} | {r['load']} |"
-                  for r in parse_rows]
+                  f"{r['cpu_seconds']} | {r['mb_per_cpu_s']} | {r['peak_rss_mb']} | "
+                  f"{r['child_peak_rss_mb']} | {r['load']} |" for r in parse_rows]
         pairs = [(p, w) for p in parse_rows for w in parse_rows
                  if p["mode"] == "parts" and w["mode"] == "whole" and p["text_mb"] == w["text_mb"]]
         if pairs:
@@ -267,12 +283,12 @@ def write(out, parse_rows, build_rows, cpu, bytes_per_layer):
                   "above a process that only imported caffepar; bytes per layer beside the "
                   f"{bytes_per_layer} a net's memory check assumes (`Net.BYTES_PER_LAYER`).", "",
                   "| layers | text MB | code | command | ok | seconds | CPU s | peak RSS GiB | "
-                  "bytes per layer | load | last progress line (or the error) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "bytes per layer | child peak RSS GiB | load | last progress line (or the "
+                  "error) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['layers']:,} | {r['text_mb']} | {r['code']} | {r['command']} | {r['ok']} | "
                   f"{r['seconds']} | {r['cpu_seconds']} | {r['peak_rss_gib']} | "
-                  f"{r['bytes_per_layer']} | {r['load']} | {r['last_progress']} |"
-                  for r in build_rows]
+                  f"{r['bytes_per_layer']} | {r['child_peak_rss_gib']} | {r['load']} | "
+                  f"{r['last_progress']} |" for r in build_rows]
         pairs = [(a, b) for a in build_rows for b in build_rows if a["code"] == "this"
                  and b["code"] != "this" and (a["layers"], a["command"]) == (b["layers"],
                                                                              b["command"])
