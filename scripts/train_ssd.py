@@ -372,7 +372,7 @@ def write_results(args, runs, timing, parallel, out):
         f"solver_train.prototxt with num_classes {CLASSES} (as its gen_model.sh) and all the "
         "published augmentations (distortion, expansion up to 4x, the six samplers, five "
         "interpolations, mirror); RMSProp, the published weight decay and ap_version 11point. "
-        "Changed, so that a curve means something within an hour on a shared 2-core machine: "
+        "Changed, so that a curve means something within hours on a shared 2-core machine: "
         f"input {args.size}x{args.size} instead of 300x300 (PriorBox min/max sizes scaled by "
         f"{args.size}/300), train batch {args.batch}, test batch 8, {args.iterations} "
         "iterations. There are no published weights to start from (the caffemodel is not in "
@@ -385,20 +385,32 @@ def write_results(args, runs, timing, parallel, out):
             f"the first {evaluated} of the {args.test_images}" if evaluated < args.test_images
             else f"the {evaluated}") + " held-out "
         f"images every {args.test_interval} iterations, as each solver reports it (\"Test net "
-        "output #0: detection_eval\"). The two runs trained side by side, one thread each.",
+        "output #0: detection_eval\"). The two runs trained side by side, one thread each"
+        + (f", in {max(runs[k]['legs'] for k in runs)} legs (each continued from its last "
+           "snapshots: the script resumes a stopped or lengthened run)"
+           if max(runs[k]["legs"] for k in runs) > 1 else "") + ".",
         "",
         "| iteration | caffepar mAP | fork mAP |",
         "|---|---|---|",
     ]
     for it in iters:
         lines.append(f"| {it} | {cell(maps['caffepar'].get(it))} | {cell(maps['fork'].get(it))} |")
+    early = [it for it in common if 0 < it <= max(common) // 10]
+    final = [it for it in common if it > max(common) * 4 // 5]
+    rise = "; ".join(
+        f"{k}'s mAP rose from {np.mean([maps[k][it] for it in early]):.3f} on average over "
+        f"iterations {early[0]}-{early[-1]} to {np.mean([maps[k][it] for it in final]):.3f} "
+        f"over {final[0]}-{final[-1]}" for k in ("caffepar", "fork")) if early and final else ""
     lines += [
+        "",
+        (rise + ".") if rise else "",
         "",
         f"Last test: caffepar {cell(maps['caffepar'][last['caffepar']])} at iteration "
         f"{last['caffepar']}, fork {cell(maps['fork'][last['fork']])} at iteration "
         f"{last['fork']}." + "".join(
-            f" {'The fork' if k == 'fork' else 'caffepar'}'s training was stopped at iteration {last[k]} of {args.iterations}, so "
-            "that the whole run kept to its hour on the shared machine."
+            f" {'The fork' if k == 'fork' else 'caffepar'}'s training was stopped at iteration "
+            f"{last[k]} of {args.iterations}, so that the whole run kept to its time on the "
+            "shared machine."
             for k in ("fork", "caffepar") if last[k] < args.iterations) +
         f" Over the second half of the iterations both tested, caffepar minus the fork is "
         f"{np.mean(gap):+.4f} on average "
@@ -574,7 +586,8 @@ def main(argv=None):
     runs = {}
     for kind in ("fork", "caffepar"):
         losses, maps, per_iter = parse_log(logs[kind])
-        runs[kind] = {"losses": losses, "maps": maps, "per_iter": per_iter}
+        runs[kind] = {"losses": losses, "maps": maps, "per_iter": per_iter,
+                      "legs": len(logs[kind])}
         print(f"{kind}: mAP {maps}", flush=True)
 
     # 4. time per iteration, 5. P = 2 (a skipped step's earlier result is used if there is one)
