@@ -5,7 +5,7 @@ import numpy as np
 
 from caffepar.nn import native
 from caffepar.nn.base import Layer, register
-from caffepar.nn.blas import run_parts, scratch, split_parts
+from caffepar.nn.blas import blas_threads, run_parts, scratch, split_parts
 from caffepar.proto import caffe_pb2
 
 LRNP = caffe_pb2.LRNParameter
@@ -252,7 +252,35 @@ class BatchNormLayer(Layer):
             factor = 0 if s == 0 else 1 / s
             mean = self.blobs[0].data * factor
             var = self.blobs[1].data * factor
-        elif self.replica_sum is not None:
+            np.subtract(x, mean[:, None].astype(self.dtype), out=y)
+            self.std = np.sqrt(var + self.eps).astype(self.dtype)
+            y /= self.std[:, None]
+            self.x_norm = None
+            return
+        k = _kernels(x, y)
+        mean, var, m = self._statistics(x, y) if k is None else \
+            self._compiled_statistics(k, x)
+        b = self.blobs
+        b[2].data[...] = b[2].data * self.fraction + 1
+        b[0].data[...] = mean + self.fraction * b[0].data
+        correction = m / (m - 1) if m > 1 else 1
+        b[1].data[...] = correction * var + self.fraction * b[1].data
+        self.std = np.sqrt(var + self.eps).astype(self.dtype)
+        if k is None:
+            y /= self.std[:, None]
+            self.x_norm = y.copy()
+            return
+        norm = getattr(self, "x_norm", None)
+        if norm is None or norm.shape != y.shape:
+            norm = self.x_norm = np.empty_like(y)
+        n, c, size = x.shape
+        ptr, mean = native.ptr, np.ascontiguousarray(mean, self.dtype)
+        run_parts(lambda r: k.bn_normalize(ptr(x), ptr(mean), ptr(self.std), ptr(y), ptr(norm),
+                                           n, c, size, r.start, r.stop), _channel_parts(c))
+
+    def _statistics(self, x, y):
+        """(mean, variance, values a channel averages) of the batch, y = x - mean."""
+        if self.replica_sum is not None:
             total = self.replica_sum(np.append(x.sum(axis=(0, 2), dtype=np.float64),
                                                x.size // self.channels), "BatchNorm mean")
             self.count = int(total[-1])
@@ -260,22 +288,31 @@ class BatchNormLayer(Layer):
         else:
             mean = x.mean(axis=(0, 2))
         np.subtract(x, mean[:, None].astype(self.dtype), out=y)
-        if not self.use_global:
-            if self.replica_sum is not None:
-                var = (self.replica_sum(np.square(y).sum(axis=(0, 2), dtype=np.float64),
-                                        "BatchNorm variance") / self.count).astype(self.dtype)
-                m = self.count
-            else:
-                var = np.square(y).mean(axis=(0, 2))
-                m = x.size // self.channels
-            b = self.blobs
-            b[2].data[...] = b[2].data * self.fraction + 1
-            b[0].data[...] = mean + self.fraction * b[0].data
-            correction = m / (m - 1) if m > 1 else 1
-            b[1].data[...] = correction * var + self.fraction * b[1].data
-        self.std = np.sqrt(var + self.eps).astype(self.dtype)
-        y /= self.std[:, None]
-        self.x_norm = None if self.use_global else y.copy()
+        if self.replica_sum is not None:
+            var = (self.replica_sum(np.square(y).sum(axis=(0, 2), dtype=np.float64),
+                                    "BatchNorm variance") / self.count).astype(self.dtype)
+            return mean, var, self.count
+        return mean, np.square(y).mean(axis=(0, 2)), x.size // self.channels
+
+    def _compiled_statistics(self, k, x):
+        """_statistics' mean, variance and count from two reads of x (sums in double); y is
+        written by the normalization that follows."""
+        n, c, size = x.shape
+        ptr, parts = native.ptr, _channel_parts(c)
+        sums = np.empty(c)
+        run_parts(lambda r: k.bn_sums(ptr(x), ptr(sums), n, c, size, r.start, r.stop), parts)
+        count = n * size
+        if self.replica_sum is not None:
+            total = self.replica_sum(np.append(sums, count), "BatchNorm mean")
+            sums, count = total[:-1], int(total[-1])
+            self.count = count
+        mean = (sums / count).astype(self.dtype)
+        squares = np.empty(c)
+        run_parts(lambda r: k.bn_centered_squares(ptr(x), ptr(mean), ptr(squares), n, c, size,
+                                                  r.start, r.stop), parts)
+        if self.replica_sum is not None:
+            squares = self.replica_sum(squares, "BatchNorm variance")
+        return mean, (squares / count).astype(self.dtype), count
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -286,7 +323,22 @@ class BatchNormLayer(Layer):
             np.divide(dy, self.std[:, None], out=dx)
             return
         y = self.x_norm
+        k = _kernels(dy, y, dx)
         n = y.shape[0] * y.shape[2]
+        if k is not None:
+            images, c, size = y.shape
+            ptr, parts = native.ptr, _channel_parts(c)
+            a, b = np.empty(c), np.empty(c)
+            run_parts(lambda r: k.bn_diff_sums(ptr(dy), ptr(y), ptr(a), ptr(b), images, c, size,
+                                               r.start, r.stop), parts)
+            if self.replica_sum is not None:
+                total = self.replica_sum(np.concatenate([a, b]), "BatchNorm diff")
+                a, b, n = total[:c], total[c:], self.count
+            a, b = a.astype(self.dtype), b.astype(self.dtype)
+            run_parts(lambda r: k.bn_backward(ptr(dy), ptr(y), ptr(a), ptr(b), ptr(self.std),
+                                              ptr(dx), -1.0 / n, images, c, size, r.start,
+                                              r.stop), parts)
+            return
         a = np.einsum("ncs,ncs->c", dy, y)[:, None]
         b = dy.sum(axis=(0, 2))[:, None]
         if self.replica_sum is not None:
@@ -300,6 +352,12 @@ class BatchNormLayer(Layer):
         t += dy
         t /= self.std[:, None]
         dx[...] = t
+
+
+def _channel_parts(channels):
+    """Channel ranges for the threads: a few per thread, so that one slowed by other load
+    takes fewer."""
+    return split_parts(range(channels), min(channels, 4 * blas_threads()))
 
 
 @register("MVN")
