@@ -511,6 +511,12 @@ def split_parts(items, count=None):
     return [items[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
+def channel_parts(channels):
+    """Channel ranges for run_parts: a few per thread, so that one slowed by other load takes
+    fewer."""
+    return split_parts(range(channels), min(channels, 4 * blas_threads()))
+
+
 def run_parts(fn, parts, workers=None):
     """[fn(part) for part in parts], the parts handed out in order to up to `workers` (default:
     the BLAS's thread count) Python threads as each becomes free, every GEMM single-threaded.

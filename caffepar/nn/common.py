@@ -6,7 +6,9 @@ from functools import partial
 import numpy as np
 
 from caffepar.blob import canonical_axis
+from caffepar.nn import native
 from caffepar.nn.base import Layer, register
+from caffepar.nn.blas import channel_parts, run_parts
 from caffepar.nn.prepared import sequence, view_as
 from caffepar.proto import caffe_pb2
 
@@ -909,8 +911,35 @@ class ScaleLayer(Layer):
     def _scale(self, bottom):
         return bottom[1] if len(bottom) > 1 else self.blobs[0]
 
+    def _kernels(self, bottom, top, *more):
+        """The compiled kernels where the blobs' arrays are C-contiguous of one dtype and any
+        bias runs along the scale's axes, else None."""
+        arrays = [bottom[0].data, top[0].data, self._scale(bottom).data, *more]
+        if self.bias_term:
+            if self.bias_dims != self.dims:
+                return None
+            arrays.append(self.blobs[-1].data)
+        if len({a.dtype for a in arrays}) != 1 or \
+                not all(a.flags.c_contiguous for a in arrays):
+            return None
+        return native.kernels(arrays[0].dtype)
+
     def forward(self, bottom, top):
         x = bottom[0].data
+        k = self._kernels(bottom, top)
+        if k is not None:
+            saved = None
+            if top[0] is bottom[0]:
+                saved = self.saved_input
+                if saved is None or saved.shape != x.shape or saved.dtype != x.dtype:
+                    saved = self.saved_input = np.empty_like(x)
+            outer, dim, inner = self.dims
+            y, s = top[0].data, self._scale(bottom).data
+            b = self.blobs[-1].data if self.bias_term else None
+            run_parts(lambda r: k.scale_forward(
+                native.ptr(x), native.ptr(s), _address(b), native.ptr(y), _address(saved),
+                outer, dim, inner, r.start, r.stop), channel_parts(dim))
+            return
         if top[0] is bottom[0]:
             self.saved_input = x.copy()
         outer, dim, inner = self.dims
@@ -939,6 +968,10 @@ class ScaleLayer(Layer):
 
     def backward(self, top, propagate_down, bottom):
         dy = top[0].diff
+        k = self._kernels(bottom, top, dy, bottom[0].diff)
+        if k is not None and (top[0] is not bottom[0] or self.saved_input is not None):
+            self._compiled_backward(k, top, propagate_down, bottom)
+            return
         if self.bias_term and self.param_propagate_down[-1]:
             bo, bd, bi = self.bias_dims
             self.blobs[-1].diff += dy.reshape(bo, bd, bi).sum(axis=(0, 2)).reshape(
@@ -958,3 +991,32 @@ class ScaleLayer(Layer):
             s = scale.data.reshape(1, dim, 1)
             np.multiply(dy.reshape(outer, dim, inner), s,
                         out=bottom[0].diff.reshape(outer, dim, inner))
+
+    def _compiled_backward(self, k, top, propagate_down, bottom):
+        """backward's sums (in double) and bottom diff in one read of the top's diff."""
+        outer, dim, inner = self.dims
+        scale = self._scale(bottom)
+        learned = len(bottom) == 1
+        bias = self.bias_term and self.param_propagate_down[-1]
+        scaled = (learned and self.param_propagate_down[0]) or \
+            (not learned and propagate_down[1])
+        x = self.saved_input if top[0] is bottom[0] else bottom[0].data
+        gs = np.empty(dim) if scaled else None
+        gb = np.empty(dim) if bias else None
+        dy, dx = top[0].diff, bottom[0].diff if propagate_down[0] else None
+        run_parts(lambda r: k.scale_backward(
+            native.ptr(dy), native.ptr(x), native.ptr(scale.data), _address(gs), _address(gb),
+            _address(dx), outer, dim, inner, r.start, r.stop), channel_parts(dim))
+        if bias:
+            self.blobs[-1].diff += gb.astype(self.dtype).reshape(self.blobs[-1].shape)
+        if scaled:
+            g = gs.astype(self.dtype).reshape(scale.shape)
+            if learned and bottom[0].count != scale.count:
+                scale.diff += g
+            else:
+                scale.diff[...] = g
+
+
+def _address(a):
+    """A kernel argument for an optional array: its data address, or 0 (NULL)."""
+    return 0 if a is None else native.ptr(a)

@@ -5,7 +5,7 @@ import numpy as np
 
 from caffepar.nn import native
 from caffepar.nn.base import Layer, register
-from caffepar.nn.blas import blas_threads, run_parts, scratch, split_parts
+from caffepar.nn.blas import channel_parts, run_parts, scratch, split_parts
 from caffepar.proto import caffe_pb2
 
 LRNP = caffe_pb2.LRNParameter
@@ -276,7 +276,7 @@ class BatchNormLayer(Layer):
         n, c, size = x.shape
         ptr, mean = native.ptr, np.ascontiguousarray(mean, self.dtype)
         run_parts(lambda r: k.bn_normalize(ptr(x), ptr(mean), ptr(self.std), ptr(y), ptr(norm),
-                                           n, c, size, r.start, r.stop), _channel_parts(c))
+                                           n, c, size, r.start, r.stop), channel_parts(c))
 
     def _statistics(self, x, y):
         """(mean, variance, values a channel averages) of the batch, y = x - mean."""
@@ -298,7 +298,7 @@ class BatchNormLayer(Layer):
         """_statistics' mean, variance and count from two reads of x (sums in double); y is
         written by the normalization that follows."""
         n, c, size = x.shape
-        ptr, parts = native.ptr, _channel_parts(c)
+        ptr, parts = native.ptr, channel_parts(c)
         sums = np.empty(c)
         run_parts(lambda r: k.bn_sums(ptr(x), ptr(sums), n, c, size, r.start, r.stop), parts)
         count = n * size
@@ -327,7 +327,7 @@ class BatchNormLayer(Layer):
         n = y.shape[0] * y.shape[2]
         if k is not None:
             images, c, size = y.shape
-            ptr, parts = native.ptr, _channel_parts(c)
+            ptr, parts = native.ptr, channel_parts(c)
             a, b = np.empty(c), np.empty(c)
             run_parts(lambda r: k.bn_diff_sums(ptr(dy), ptr(y), ptr(a), ptr(b), images, c, size,
                                                r.start, r.stop), parts)
@@ -352,12 +352,6 @@ class BatchNormLayer(Layer):
         t += dy
         t /= self.std[:, None]
         dx[...] = t
-
-
-def _channel_parts(channels):
-    """Channel ranges for the threads: a few per thread, so that one slowed by other load
-    takes fewer."""
-    return split_parts(range(channels), min(channels, 4 * blas_threads()))
 
 
 @register("MVN")

@@ -61,6 +61,8 @@ SIGNATURES = {
     "bn_normalize": "ppppp" + "i" * 5,
     "bn_diff_sums": "pppp" + "i" * 5,
     "bn_backward": "pppppp" + "d" + "i" * 5,
+    "scale_forward": "ppppp" + "i" * 5,
+    "scale_backward": "pppppp" + "i" * 5,
     "relu_forward": "ppid",
     "relu_backward": "pppid",
     "dropout_forward": "ppppiddi",
