@@ -919,10 +919,7 @@ class ScaleLayer(Layer):
             if self.bias_dims != self.dims:
                 return None
             arrays.append(self.blobs[-1].data)
-        if len({a.dtype for a in arrays}) != 1 or \
-                not all(a.flags.c_contiguous for a in arrays):
-            return None
-        return native.kernels(arrays[0].dtype)
+        return native.kernels_for(*arrays)
 
     def forward(self, bottom, top):
         x = bottom[0].data

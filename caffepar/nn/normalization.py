@@ -55,11 +55,6 @@ def _image_blocks(x):
     return step, [(i, min(len(x), i + step)) for i in range(0, len(x), step)]
 
 
-def _kernels(*arrays):
-    """The compiled kernels for same-dtype C-contiguous arrays, or None."""
-    if len({a.dtype for a in arrays}) != 1 or not all(a.flags.c_contiguous for a in arrays):
-        return None
-    return native.kernels(arrays[0].dtype)
 
 
 def _run_images(kernel, arrays, shape, extra):
@@ -126,7 +121,7 @@ class LRNLayer(Layer):
                 or self.scale.dtype != x.dtype:
             self.scale = np.empty_like(x)
             self.power = np.empty_like(x)
-        k = _kernels(x, y, self.scale)
+        k = native.kernels_for(x, y, self.scale)
         if k is not None:
             _run_images(k.lrn_forward, (x, y, self.scale, self.power), x.shape,
                         (self.size, self.alpha / self.size, self.k, self.beta))
@@ -155,7 +150,7 @@ class LRNLayer(Layer):
     def _across_backward(self, x, y, dy, dx):
         """dx = dy scale^-beta - 2 alpha beta / n * x * window sum of dy y / scale."""
         factor = -2.0 * self.alpha * self.beta / self.size
-        k = _kernels(x, y, dy, dx, self.scale)
+        k = native.kernels_for(x, y, dy, dx, self.scale)
         if k is not None:
             _run_images(k.lrn_backward, (x, y, dy, dx, self.scale, self.power), x.shape,
                         (self.size, factor))
@@ -257,7 +252,7 @@ class BatchNormLayer(Layer):
             y /= self.std[:, None]
             self.x_norm = None
             return
-        k = _kernels(x, y)
+        k = native.kernels_for(x, y)
         mean, var, m = self._statistics(x, y) if k is None else \
             self._compiled_statistics(k, x)
         b = self.blobs
@@ -274,7 +269,7 @@ class BatchNormLayer(Layer):
         if norm is None or norm.shape != y.shape:
             norm = self.x_norm = np.empty_like(y)
         n, c, size = x.shape
-        ptr, mean = native.ptr, np.ascontiguousarray(mean, self.dtype)
+        ptr = native.ptr
         run_parts(lambda r: k.bn_normalize(ptr(x), ptr(mean), ptr(self.std), ptr(y), ptr(norm),
                                            n, c, size, r.start, r.stop), channel_parts(c))
 
@@ -323,7 +318,7 @@ class BatchNormLayer(Layer):
             np.divide(dy, self.std[:, None], out=dx)
             return
         y = self.x_norm
-        k = _kernels(dy, y, dx)
+        k = native.kernels_for(dy, y, dx)
         n = y.shape[0] * y.shape[2]
         if k is not None:
             images, c, size = y.shape

@@ -328,6 +328,13 @@ def kernels(dtype):
     return found
 
 
+def kernels_for(*arrays):
+    """kernels() for arrays that are all C-contiguous and of one dtype, else None."""
+    if len({a.dtype for a in arrays}) != 1 or not all(a.flags.c_contiguous for a in arrays):
+        return None
+    return kernels(arrays[0].dtype)
+
+
 _answers = {}           # (CAFFEPAR_KERNELS, dtype) -> kernels' answer, from _answers_of
 _answers_of = None
 _UNKNOWN = object()
