@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Published Caffe deploy nets at inference: caffepar's `net.forward()` beside OpenCV's dnn
 module reading the same files and onnxruntime running caffepar's ONNX export, measured side by
-side in alternating rounds in one run, written under the CPU's name:
+side in alternating rounds in one run, and caffepar again with its optional onnxruntime engine
+(CAFFEPAR_INFERENCE=onnxruntime, caffepar/graph/onnx_forward.py), written under the CPU's name:
 results/inference_<vendor>_<family>.{csv,md,png}.
 
     python scripts/bench_inference.py [--nets-dir DIR] [--fetch] [--only NET ...]
@@ -33,7 +34,9 @@ Correctness, at batch 1 on the same random input: every blob of caffepar's TEST 
 against the same forward with the inference path off (CAFFEPAR_INFERENCE=off, in another
 process), at rtol 1e-4 with an absolute floor of 1e-5 times the blob's largest magnitude; the
 net's outputs from OpenCV and from onnxruntime against caffepar's (detections compared as
-sorted rows of 7). Where the installed caffepar has no inference path (it does not read
+sorted rows of 7). The onnxruntime engine's blobs are checked the same way: its outputs are
+onnxruntime's, every other blob is computed by caffepar's own forward when first read (the
+column says how many of each). Where the installed caffepar has no inference path (it does not read
 CAFFEPAR_INFERENCE) both forwards run the same code and the column says so.
 
 Resumable: each net's row is written as soon as it is measured; a rerun skips the nets OUT.csv
@@ -64,7 +67,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from cpuinfo import cpu_key, cpu_name, host_isa  # noqa: E402
 
 RAW = "https://raw.githubusercontent.com/{repo}/{commit}/{path}"
-TOOLS = ("caffepar", "opencv", "onnxruntime")
+TOOLS = ("caffepar", "engine", "opencv", "onnxruntime")
+#: The columns of each tool: caffepar, caffepar with the onnxruntime engine, the peers.
+KEY = {"caffepar": "caffepar", "engine": "eng", "opencv": "opencv", "onnxruntime": "ort"}
 THROUGHPUT_BATCH = 32
 RTOL = 1e-4
 ATOL_SCALE = 1e-5
@@ -466,6 +471,15 @@ class CaffeparTool:
             self.isa += ", OpenBLAS " + ", ".join(sorted(set(cores.values())))
         self.outputs = list(self.net.outputs)
 
+    @property
+    def engine(self):
+        """What ran the last forward where the onnxruntime engine was asked for."""
+        onnx = getattr(self.net, "_onnx", None)
+        if onnx is None:
+            return None
+        return f"its own plan ({onnx.failed})" if onnx.failed else \
+            f"onnxruntime {__import__('onnxruntime').__version__}"
+
     def set_input(self, feeds):
         for name, value in feeds.items():
             self.net.blobs[name].reshape(*value.shape)
@@ -477,7 +491,13 @@ class CaffeparTool:
         self.net.forward()
 
     def outputs_now(self, all_blobs=False):
-        names = list(self.net.blobs) if all_blobs else self.outputs
+        # A forward first: the engine's first forward at a size is checked against caffepar's
+        # own, which leaves its values. The outputs are read first: with the onnxruntime
+        # engine, reading another blob runs caffepar's own forward for the rest (the outputs
+        # keep onnxruntime's values).
+        self.net.forward()
+        names = self.outputs + ([n for n in self.net.blobs if n not in self.outputs]
+                                if all_blobs else [])
         return {n: np.array(self.net.blobs[n].data) for n in names}
 
 
@@ -574,11 +594,14 @@ def worker_main(tool, spec):
     sys.stdout = sys.stderr             # only answers go to the pipe
     try:
         t0 = time.perf_counter()
-        impl = {"caffepar": CaffeparTool, "opencv": OpenCVTool, "onnxruntime": OnnxTool}[tool](spec)
+        impl = {"caffepar": CaffeparTool, "engine": CaffeparTool, "opencv": OpenCVTool,
+                "onnxruntime": OnnxTool}[tool](spec)
         shapes = {k: tuple(v) for k, v in spec["inputs"].items()}
         impl.set_input(make_inputs(shapes, 1))
         impl.run()
         answer = {"ready": True, "isa": impl.isa, "load_s": time.perf_counter() - t0}
+        if getattr(impl, "engine", None):
+            answer["isa"] = f"engine {impl.engine}; {impl.isa}"
     except Exception as e:  # each tool's own exceptions: the row says why
         answer = {"error": _first_line(e)}
     print(json.dumps(answer), file=out, flush=True)
@@ -708,8 +731,17 @@ def run_net(net, model, args, scratch):
     plain = Worker("caffepar", spec, dict(env, CAFFEPAR_INFERENCE="off"))
     answer = plain.ask(cmd="dump", batch=1, path=str(work / "plain.npz"), all_blobs=True)
     plain.close()
+    # The engine's blobs in a process of its own: a blob read becomes an output of its
+    # sessions from then on, which the timed one must not have.
+    engine_env = dict(env, CAFFEPAR_INFERENCE="onnxruntime")
+    check = Worker("engine", spec, engine_env)
+    engine_dump = check.ask(cmd="dump", batch=1, path=str(work / "engine.npz"), all_blobs=True) \
+        if "error" not in check.info else {"error": check.info["error"]}
+    engine_dump.setdefault("isa", check.info.get("isa", ""))
+    check.close()
     fix, spec["opencv_blas"] = opencv_blas_fix()
     workers = {"caffepar": Worker("caffepar", spec, env),
+               "engine": Worker("engine", spec, engine_env),
                "opencv": Worker("opencv", spec, dict(peers_env, **fix))}
     if "onnx_error" in spec:
         row["onnx_check"] = "export refuses: " + spec["onnx_error"]
@@ -725,6 +757,14 @@ def run_net(net, model, args, scratch):
         check = compare_blobs(fused, load_dump(work / "plain.npz", answer["names"]))
         row["caffepar_check"] = check + ("" if inference_switch_present() else
                                          " (no inference path yet: the same forward twice)")
+        if "error" in engine_dump:
+            row["engine_check"] = "fails: " + engine_dump["error"]
+        else:
+            outs = ", ".join(spec["outputs"])
+            row["engine_check"] = (
+                compare_blobs(load_dump(work / "engine.npz", engine_dump["names"]),
+                              load_dump(work / "plain.npz", answer["names"])) +
+                f"; {outs} from {engine_dump['isa'].split(';')[0]}, the others computed when read")
         want = {o: fused[o] for o in spec["outputs"]}
         for tool, column in (("opencv", "opencv_check"), ("onnxruntime", "onnx_check")):
             if tool not in workers:
@@ -763,13 +803,14 @@ def run_net(net, model, args, scratch):
                 f"{batch / best_median(thr[t][-1:]):.1f} img/s" for t in live if lat[t]
                 and thr[t]), flush=True)
         for t in TOOLS:
-            key = {"caffepar": "caffepar", "opencv": "opencv", "onnxruntime": "ort"}[t]
+            key = KEY[t]
             if t in live and lat[t]:
                 row[f"{key}_ms"] = best_median(lat[t]) * 1e3
             elif t in workers:
                 row[f"{key}_ms"] = float("nan")
                 if "error" in workers[t].info and not row.get(f"{t}_check", "").startswith("f"):
-                    col = "opencv_check" if t == "opencv" else "onnx_check"
+                    col = {"opencv": "opencv_check", "onnxruntime": "onnx_check",
+                           "engine": "engine_check"}.get(t, "caffepar_check")
                     row.setdefault(col, "fails: " + workers[t].info["error"])
             row[f"{key}_ips"] = (batch / best_median(thr[t]) if t in live and thr[t]
                                  else float("nan"))
@@ -789,6 +830,10 @@ def fill_ratios(row):
     row["lat_vs_ort"] = ratio(row.get("caffepar_ms"), row.get("ort_ms"))
     row["thr_vs_opencv"] = ratio(row.get("opencv_ips"), row.get("caffepar_ips"))
     row["thr_vs_ort"] = ratio(row.get("ort_ips"), row.get("caffepar_ips"))
+    row["eng_lat_vs_opencv"] = ratio(row.get("eng_ms"), row.get("opencv_ms"))
+    row["eng_lat_vs_ort"] = ratio(row.get("eng_ms"), row.get("ort_ms"))
+    row["eng_thr_vs_opencv"] = ratio(row.get("opencv_ips"), row.get("eng_ips"))
+    row["eng_thr_vs_ort"] = ratio(row.get("ort_ips"), row.get("eng_ips"))
     return row
 
 
@@ -823,10 +868,13 @@ def gemm_rates(scratch):
 FIELDS = ["net", "label", "kind", "layers", "caffepar_ms", "opencv_ms", "ort_ms",
           "lat_vs_opencv", "lat_vs_ort", "throughput_batch", "caffepar_ips", "opencv_ips",
           "ort_ips", "thr_vs_opencv", "thr_vs_ort", "caffepar_check", "opencv_check",
-          "onnx_check", "blob_mib_per_image", "isa", "sha256", "started", "load"]
+          "onnx_check", "blob_mib_per_image", "isa", "sha256", "started", "load",
+          "eng_ms", "eng_ips", "eng_lat_vs_opencv", "eng_lat_vs_ort", "eng_thr_vs_opencv",
+          "eng_thr_vs_ort", "engine_check"]
 NUMERIC = {"layers", "caffepar_ms", "opencv_ms", "ort_ms", "lat_vs_opencv", "lat_vs_ort",
            "throughput_batch", "caffepar_ips", "opencv_ips", "ort_ips", "thr_vs_opencv",
-           "thr_vs_ort", "blob_mib_per_image"}
+           "thr_vs_ort", "blob_mib_per_image", "eng_ms", "eng_ips", "eng_lat_vs_opencv",
+           "eng_lat_vs_ort", "eng_thr_vs_opencv", "eng_thr_vs_ort"}
 
 
 def read_rows(path):
@@ -867,19 +915,20 @@ def merged(old, new):
     return sorted(by.values(), key=lambda r: order.index(r["net"]) if r["net"] in order else 99)
 
 
-def goal_marks(row):
+def goal_marks(row, prefix=""):
     """The issue's goals for a row: batch-1 latency <= 1.0x OpenCV, <= 1.0x onnxruntime on
     ResNet-50 and GoogLeNet, <= 1.5x onnxruntime on the mobile nets; batch throughput at
-    least OpenCV's. {goal: True/False} for the goals that apply and were measured."""
+    least OpenCV's. {goal: True/False} for the goals that apply and were measured; `prefix`
+    "eng_": the onnxruntime engine's."""
     marks = {}
-    if not np.isnan(row.get("lat_vs_opencv", np.nan)):
-        marks["latency <= 1.0x OpenCV"] = row["lat_vs_opencv"] <= 1.0
+    if not np.isnan(row.get(prefix + "lat_vs_opencv", np.nan)):
+        marks["latency <= 1.0x OpenCV"] = row[prefix + "lat_vs_opencv"] <= 1.0
     limit = 1.0 if row["net"] in ("resnet50", "googlenet") else \
         1.5 if row["net"] in MOBILE else None
-    if limit and not np.isnan(row.get("lat_vs_ort", np.nan)):
-        marks[f"latency <= {limit}x onnxruntime"] = row["lat_vs_ort"] <= limit
-    if not np.isnan(row.get("thr_vs_opencv", np.nan)):
-        marks["throughput >= OpenCV"] = row["thr_vs_opencv"] <= 1.0
+    if limit and not np.isnan(row.get(prefix + "lat_vs_ort", np.nan)):
+        marks[f"latency <= {limit}x onnxruntime"] = row[prefix + "lat_vs_ort"] <= limit
+    if not np.isnan(row.get(prefix + "thr_vs_opencv", np.nan)):
+        marks["throughput >= OpenCV"] = row[prefix + "thr_vs_opencv"] <= 1.0
     return marks
 
 
@@ -925,28 +974,51 @@ def write_results(out, rows, info):
             f"{_fmt(r.get('caffepar_ips'), 1)} | {_fmt(r.get('opencv_ips'), 1)} | "
             f"{_fmt(r.get('ort_ips'), 1)} | {_bold(r.get('thr_vs_opencv'))} | "
             f"{_bold(r.get('thr_vs_ort'))} |")
+    engine_rows = [r for r in rows if not np.isnan(r.get("eng_ms", np.nan))]
+    if engine_rows:
+        lines += ["", "With the optional onnxruntime engine (`CAFFEPAR_INFERENCE=onnxruntime`, "
+                  "`pip install caffepar[onnx]`): caffepar's `net.forward()` runs its own ONNX "
+                  "export in onnxruntime (written for speed: an LRN as elementwise steps, MAX "
+                  "pooling's padding the op's own), the outputs copied into their blobs; any "
+                  "other blob is computed by caffepar's own forward when first read. Same "
+                  "rounds, same ratios:", "",
+                  "| net | caffepar + onnxruntime engine ms | vs OpenCV | vs onnxruntime | batch "
+                  "| img/s | vs OpenCV | vs onnxruntime |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in engine_rows:
+            lines.append(
+                f"| {r['label']} | {_fmt(r.get('eng_ms'), 1)} | "
+                f"{_bold(r.get('eng_lat_vs_opencv'))} | {_bold(r.get('eng_lat_vs_ort'))} | "
+                f"{_fmt(r.get('throughput_batch'), 0)} | {_fmt(r.get('eng_ips'), 1)} | "
+                f"{_bold(r.get('eng_thr_vs_opencv'))} | {_bold(r.get('eng_thr_vs_ort'))} |")
     lines += ["", "Goals (issue 34): batch-1 latency at most 1.0x OpenCV on every net, at most "
               "1.0x onnxruntime on ResNet-50 and GoogLeNet and 1.5x on the mobile nets; "
               "batch-32 throughput at least OpenCV's.", ""]
-    for r in rows:
-        marks = goal_marks(r)
-        if marks:
-            met = [g for g, ok in marks.items() if ok]
-            missed = [g for g, ok in marks.items() if not ok]
-            lines.append(f"- {r['label']}: " + (f"met: {', '.join(met)}" if met else "") +
-                         ("; " if met and missed else "") +
-                         (f"**missed: {', '.join(missed)}**" if missed else ""))
+    for prefix, title in (("", "caffepar's own kernels"),
+                          ("eng_", "caffepar with the onnxruntime engine")):
+        lines += [f"{title}:", ""]
+        for r in rows:
+            marks = goal_marks(r, prefix)
+            if marks:
+                met = [g for g, ok in marks.items() if ok]
+                missed = [g for g, ok in marks.items() if not ok]
+                lines.append(f"- {r['label']}: " + (f"met: {', '.join(met)}" if met else "") +
+                             ("; " if met and missed else "") +
+                             (f"**missed: {', '.join(missed)}**" if missed else ""))
+        lines.append("")
     lines += ["", "## Correctness (batch 1, the same input)", "",
               "caffepar: every blob after the TEST forward against the forward with "
               "`CAFFEPAR_INFERENCE=off`; OpenCV and onnxruntime: the net's outputs against "
               f"caffepar's (detections as sorted rows). Agreement: rtol {RTOL:g}, with an "
               f"absolute floor of {ATOL_SCALE:g} x the blob's largest magnitude; the diff is "
               "given as a fraction of that magnitude.", "",
-              "| net | layers | caffepar blobs | OpenCV outputs | onnxruntime outputs |",
-              "|---|---|---|---|---|"]
+              "| net | layers | caffepar blobs | caffepar blobs, onnxruntime engine | "
+              "OpenCV outputs | onnxruntime outputs |",
+              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['label']} | {_fmt(r.get('layers'), 0)} | {r.get('caffepar_check', '')}"
-                     f" | {r.get('opencv_check', '')} | {r.get('onnx_check', '')} |")
+                     f" | {r.get('engine_check', '')} | {r.get('opencv_check', '')} | "
+                     f"{r.get('onnx_check', '')} |")
     lines += ["", "## The tools and their kernels", ""]
     for tool, text in info.get("isa", {}).items():
         lines.append(f"- {tool}: {text}")
@@ -987,9 +1059,12 @@ def plot(out, rows):
                                "batch 1 latency: caffepar / peer"),
                               (axes[1], ("thr_vs_opencv", "thr_vs_ort"),
                                "batch 32 throughput: peer / caffepar")):
-        for off, key, label in ((-0.2, a, "vs OpenCV dnn"), (0.2, b, "vs onnxruntime")):
+        for off, key, label in ((-0.3, a, "own kernels vs OpenCV dnn"),
+                                (-0.1, b, "own kernels vs onnxruntime"),
+                                (0.1, "eng_" + a, "onnxruntime engine vs OpenCV dnn"),
+                                (0.3, "eng_" + b, "onnxruntime engine vs onnxruntime")):
             vals = [r.get(key, np.nan) for r in rows]
-            ax.bar(x + off, [v if not np.isnan(v) else 0 for v in vals], 0.4, label=label)
+            ax.bar(x + off, [v if not np.isnan(v) else 0 for v in vals], 0.2, label=label)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.axhline(1.5, color="C1", ls="--", lw=0.8)
         ax.set_yscale("log")
@@ -1074,13 +1149,15 @@ def main():
             print(f"{n.label} ({n.file})", flush=True)
             row = run_net(n, model, args, scratch)
             new.append(row)
-            for k in ("caffepar_check", "opencv_check", "onnx_check"):
+            for k in ("caffepar_check", "engine_check", "opencv_check", "onnx_check"):
                 print(f"  {k}: {row.get(k, '')}")
             print(f"  batch 1: caffepar {_fmt(row.get('caffepar_ms'))} ms, OpenCV "
                   f"{_fmt(row.get('opencv_ms'))} ms, onnxruntime {_fmt(row.get('ort_ms'))} ms; "
                   f"batch {_fmt(row.get('throughput_batch'), 0)}: "
                   f"{_fmt(row.get('caffepar_ips'), 1)} / {_fmt(row.get('opencv_ips'), 1)} / "
-                  f"{_fmt(row.get('ort_ips'), 1)} img/s", flush=True)
+                  f"{_fmt(row.get('ort_ips'), 1)} img/s; onnxruntime engine "
+                  f"{_fmt(row.get('eng_ms'))} ms, {_fmt(row.get('eng_ips'), 1)} img/s",
+                  flush=True)
             rows = merged(old, new)
             info["isa"] = isa_lines(rows)
             write_results(out, rows, info)

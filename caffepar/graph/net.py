@@ -19,6 +19,7 @@ from caffepar.blob import Blob, no_blobs
 from caffepar.common import env
 from caffepar.errors import CaffeparError, NetError, PrototxtError
 from caffepar.graph.inference import inference_graph
+from caffepar.graph.onnx_forward import OnnxForward, engine_chosen
 from caffepar.graph.passes import filter_net, insert_splits
 from caffepar.graph.plan import InferencePlan, StalePlan
 from caffepar.nn import create_layer
@@ -113,6 +114,9 @@ class Net:
             self._construct(source, phase, level, stages, dtype, shard, layer_factory)
         if weights is not None:
             self.copy_from(weights)
+        if phase == TEST and layer_factory is None and self.shard == (0, 1) and \
+                engine_chosen(env("CAFFEPAR_INFERENCE", "on")):
+            self._onnx = OnnxForward(self)
 
     def _construct(self, source, phase, level, stages, dtype, shard, layer_factory):
         param, smap = load_net_param(source)
@@ -141,6 +145,7 @@ class Net:
         self._unfused = 0
         self._errors_ignored = 0
         self._planned_range = None
+        self._onnx = None           # the onnxruntime engine, where chosen (onnx_forward)
         self.name = param.name
         if not (param.layer or param.layers):
             raise NetError("the net has no layers", path=smap.path)
@@ -573,6 +578,14 @@ class Net:
         reshapes first, as Caffe's Layer::Forward does, so a reshaped input just works. A TEST
         net runs its inference plan (inference_plan) instead, where it has one."""
         end = len(self.layers) - 1 if end is None else end
+        onnx = self._onnx
+        if onnx is not None and not onnx.busy and not onnx.failed:
+            if start == 0 and end == len(self.layers) - 1 and not self.observers and \
+                    self.inference_enabled() and onnx.forward():
+                self._planned_range = (start, end)
+                return 0.0
+            with onnx.paused():
+                return self.forward_from_to(start, end)
         plan = self.inference_plan(start, end)
         if plan is not None:
             self._planned_range = (start, end)
@@ -682,6 +695,9 @@ class Net:
                     self.forward_layer(i, 0.0, start, end)
 
     def backward_from_to(self, start=None, end=0):
+        if self._onnx is not None and not self._onnx.busy and not self._onnx.failed:
+            with self._onnx.paused():
+                return self.backward_from_to(start, end)
         self._rerun_unfused()
         start = len(self.layers) - 1 if start is None else start
         with self.float_errors_ignored():
@@ -821,6 +837,13 @@ class Net:
         return loss
 
     def reshape(self):
+        onnx = self._onnx
+        if onnx is not None and not onnx.busy and not onnx.failed:
+            # Caffe keeps the values of blobs whose shape stays: those of the last forward.
+            same = onnx.saved_inputs is not None and all(
+                b.shape == s.shape for b, s in zip(onnx.inputs, onnx.saved_inputs))
+            with onnx.paused(materialize=same):
+                return self.reshape()
         self._plan = None
         for i, layer in enumerate(self.layers):
             layer.reshape(self._blobs_of(self.bottom_ids[i]), self._blobs_of(self.top_ids[i]))

@@ -1,0 +1,363 @@
+"""TEST forwards run by onnxruntime on the net's own ONNX export: an optional engine
+(CAFFEPAR_INFERENCE=onnxruntime, with `pip install caffepar[onnx]`) for the nets where a
+well-kept runtime is faster at batch 1 than our kernels (its fused NCHWc convolutions).
+
+onnxruntime fuses across blobs a user can read, so what a user reads is kept Caffe's this way:
+
+* the net's outputs, and every blob a user has read since the engine started, are outputs of
+  the session and copied into their blobs at every forward;
+* every other blob is pending after a forward: its first read, through any reference to the
+  Blob, runs the net's own forward on that forward's inputs first (so it holds what Caffe
+  computes), and the blob becomes an output of the sessions made from then on;
+* a session is made from the weights as they are; once a parameter blob has been read or set
+  from outside, every forward first compares the parameters with the copy the session was made
+  from and makes a new session when they differ;
+* the first forward of every session is checked against the net's own forward (every output
+  within rtol 1e-4 of its scale); a net that cannot be exported, or whose outputs differ, runs
+  its own plan from then on, and the log says why.
+
+Reads are noticed by class: a watched blob's class is a subclass of Blob (no field added) whose
+`data` tells the engine before giving the array; the engine puts back the plain class when it
+has what it needs, and always before the net's own code runs (`paused`).
+"""
+import contextlib
+import ctypes
+import logging
+from operator import is_
+
+import numpy as np
+
+from caffepar.blob import Blob
+
+log = logging.getLogger(__name__)
+
+#: CAFFEPAR_INFERENCE values that choose this engine.
+ENGINE_VALUES = ("onnxruntime", "ort")
+#: Outputs of the first forward of a session against the net's own: |a - b| <= RTOL |b| +
+#: ATOL_OF_SCALE max |b|.
+RTOL = 1e-4
+ATOL_OF_SCALE = 1e-5
+#: Sessions kept per net (input shapes x outputs), the least recently made dropped first.
+MAX_SESSIONS = 4
+
+_DATA = Blob.__dict__["data"]           # the slot itself: reads that tell no one
+_libc = ctypes.CDLL(None)
+_memcmp = _libc.memcmp
+_memcmp.restype = ctypes.c_int
+_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+
+
+class _Watched(Blob):
+    """A blob whose reads and writes of `data` go to its engine's `read` first (`shape`,
+    `count` and `num_axes` do not: a forward keeps the shapes)."""
+    __slots__ = ()
+    engine = None
+
+    @property
+    def data(self):
+        type(self).engine.read(self)
+        return _DATA.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        type(self).engine.read(self)
+        _DATA.__set__(self, value)
+
+    @property
+    def shape(self):
+        return _DATA.__get__(self).shape
+
+    @property
+    def count(self):
+        return _DATA.__get__(self).size
+
+    @property
+    def num_axes(self):
+        return _DATA.__get__(self).ndim
+
+
+def engine_chosen(value):
+    return value.strip().lower() in ENGINE_VALUES
+
+
+class OnnxForward:
+    """The onnxruntime engine of one TEST net (Net._onnx)."""
+
+    def __init__(self, net):
+        self.net = net
+        self.failed = None              # why the net runs its own plan instead
+        self.busy = 0                   # the net's own code is running
+        self.sessions = {}
+        self.exposed = False            # a parameter was read or set from outside
+        self.inputs = [net.blob_list[i] for i in net.input_ids]
+        fixed = set(net.input_ids) | set(net.output_ids)
+        self.watched_ids = [i for i in range(len(net.blob_list)) if i not in fixed]
+        self.observed = set()           # blob ids read by a user: session outputs
+        self._unread = None             # the watched blobs not observed
+        self.pending = False            # watched blobs hold an older forward's values
+        self.saved_inputs = None
+        self.written = []               # (blob, array) onnxruntime wrote in the last forward
+        self.params = [b for layer in net.layers for b in layer.blobs]
+        self.param_arrays = ()
+        self.snapshot = None
+        kinds = {}
+        for kind in ("pending", "seen", "param"):
+            kinds[kind] = type(f"{kind.title()}Blob", (_Watched,),
+                               {"__slots__": (), "engine": self, "kind": kind})
+        self.kinds = kinds
+        why = self._why_not()
+        if why:
+            self.fail(why)
+        else:
+            self._watch(pending=False)
+
+    # ------------------------------------------------------------ watching
+    def _why_not(self):
+        net = self.net
+        if net.dtype != np.float32:
+            return f"the net computes in {net.dtype.name}; the ONNX export is float32"
+        try:
+            import onnx  # noqa: F401
+            import onnxruntime  # noqa: F401
+        except ImportError as e:
+            return f"{e.name} is not installed (pip install caffepar[onnx])"
+        for i, layer in enumerate(net.layers):
+            if not net.bottom_ids[i] and layer.type != "Input":
+                return f'layer "{layer.name}" ({layer.type}) makes data; only Input nets run'
+            if any(layer.loss_weights):
+                return f'layer "{layer.name}" ({layer.type}) is a loss'
+        if any(not np.shares_memory(b.data, net.param_data) for b in self.params):
+            return "its parameters are shared with another net"
+        return None
+
+    def fail(self, why):
+        if self.failed is None:
+            log.warning("net %s runs its own plan, not onnxruntime: %s", self.net.name, why)
+        self.failed = why
+        self.sessions = {}
+        self._plain(self.net.blob_list)
+        self._plain(self.params)
+
+    @staticmethod
+    def _plain(blobs):
+        for b in blobs:
+            b.__class__ = Blob
+
+    def _watch(self, pending):
+        if self.failed:
+            return
+        if self._unread is None:
+            blobs = self.net.blob_list
+            self._unread = [blobs[i] for i in self.watched_ids if i not in self.observed]
+        cls = self.kinds["pending" if pending else "seen"]
+        for b in self._unread:
+            b.__class__ = cls
+        self.pending = pending
+        if not self.exposed:
+            cls = self.kinds["param"]
+            for b in self.params:
+                b.__class__ = cls
+
+    def read(self, blob):
+        """A user reads or writes a watched blob's data (its class says which kind)."""
+        kind = type(blob).kind
+        if kind == "param":
+            self.exposed = True
+            self._plain(self.params)
+            return
+        self.observed.add(self.net.blob_list.index(blob))
+        self._unread = None
+        blob.__class__ = Blob
+        if kind == "pending":
+            self._materialize()
+
+    @contextlib.contextmanager
+    def paused(self, materialize=True):
+        """The net's own code runs inside with plain blobs: the values of the last forward in
+        every blob first (unless `materialize` is False), watching again afterwards."""
+        if self.busy or self.failed:
+            yield
+            return
+        if self.pending and materialize:
+            self._materialize()
+        self._plain(self.net.blob_list)
+        self._plain(self.params)
+        self.pending = False
+        self.busy += 1
+        try:
+            yield
+        finally:
+            self.busy -= 1
+            self._watch(pending=False)
+
+    def _materialize(self):
+        """Every pending blob given the values of the last forward: the net's own forward on
+        that forward's inputs; what onnxruntime wrote and the inputs as they are now are put
+        back afterwards."""
+        net = self.net
+        self._plain(net.blob_list)
+        self.pending = False
+        kept = [(blob, array.copy()) for blob, array in self.written]
+        now = []
+        for blob, saved in zip(self.inputs, self.saved_inputs or ()):
+            data = _DATA.__get__(blob)
+            if data.shape == saved.shape and not np.array_equal(data, saved):
+                now.append((data, data.copy()))
+                data[...] = saved
+        self._own_forward()
+        for blob, values in kept:
+            data = _DATA.__get__(blob)
+            if data.shape == values.shape:
+                data[...] = values
+        for array, values in now:
+            array[...] = values
+        self._watch(pending=False)
+
+    def _own_forward(self):
+        self._plain(self.params)
+        self.busy += 1
+        try:
+            self.net.forward_from_to(0, len(self.net.layers) - 1)
+        finally:
+            self.busy -= 1
+
+    # ------------------------------------------------------------ running
+    def forward(self):
+        """Run the whole net; False where the net's own plan must run it."""
+        if self.failed:
+            return False
+        net = self.net
+        self._plain(self._unread or ())
+        if self.exposed and not self._params_unchanged():
+            self.sessions = {}
+        shapes = tuple(_DATA.__get__(b).shape for b in self.inputs)
+        key = (shapes, frozenset(self.observed))
+        session = self.sessions.get(key)
+        if session is None:
+            try:
+                session = self._session(key)
+            except Exception as e:  # noqa: BLE001  (export or runtime refusal: own plan)
+                self.fail(_first_line(e))
+                return False
+        feeds = {name: np.ascontiguousarray(_DATA.__get__(b), np.float32)
+                 for name, b in zip(session.input_names, self.inputs)}
+        try:
+            results = session.run(session.output_names, feeds)
+        except Exception as e:  # noqa: BLE001
+            self.fail(_first_line(e))
+            return False
+        self.saved_inputs = [a.copy() for a in feeds.values()]
+        written = []
+        for blobs, result in zip(session.output_blobs, results):
+            for blob in blobs:
+                data = _DATA.__get__(blob)
+                if data.shape != result.shape:
+                    blob.reshape(result.shape)
+                    data = _DATA.__get__(blob)
+                np.copyto(data, result)
+                written.append((blob, data))
+        self.written = written
+        if not session.checked:
+            return self._check(session)
+        self._watch(pending=True)
+        return True
+
+    def _check(self, session):
+        """The session's first forward against the net's own: the own values stay."""
+        ort = [(blob, _DATA.__get__(blob).copy()) for blob, _ in self.written]
+        self.written = []
+        self._own_forward()
+        for blob, got in ort:
+            if not _agree(got, _DATA.__get__(blob)):
+                name = self.net.blob_names[self.net.blob_list.index(blob)]
+                self.fail(f'onnxruntime\'s "{name}" differs from the net\'s own forward')
+                return True
+        session.checked = True
+        self._watch(pending=False)
+        return True
+
+    def _params_unchanged(self):
+        if self.snapshot is None:
+            return True
+        if not all(map(is_, (b.data for b in self.params), self.param_arrays)):
+            return False
+        data = self.net.param_data
+        return data.size == self.snapshot.size and _memcmp(
+            data.ctypes.data, self.snapshot.ctypes.data, data.nbytes) == 0
+
+    def _session(self, key):
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+
+        from caffepar.convert.onnx_export import _build
+        from caffepar.nn.blas import blas_threads
+        net = self.net
+        self._plain(self.params)
+        why = self._why_not()
+        if why:
+            raise RuntimeError(why)
+        model, current = _build(net, 17, None, fast=True)
+        outputs = {o.name for o in model.graph.output}
+        inputs = {i.name for i in model.graph.input}
+        by_tensor = {}
+        for bid in sorted(set(net.output_ids) | key[1]):
+            name = net.blob_names[bid]
+            tensor = current.get(name)
+            if bid in net.output_ids and name in outputs:
+                tensor = name
+            if tensor is None or tensor in inputs:
+                continue
+            if tensor not in outputs:
+                model.graph.output.append(
+                    helper.make_tensor_value_info(tensor, TensorProto.FLOAT, None))
+                outputs.add(tensor)
+            by_tensor.setdefault(tensor, []).append(net.blob_list[bid])
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = max(1, blas_threads())
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.log_severity_level = 3
+        session = _Session(ort.InferenceSession(model.SerializeToString(), options,
+                                                providers=["CPUExecutionProvider"]))
+        session.input_names = [net.blob_names[i] for i in net.input_ids]
+        session.output_names = list(by_tensor)
+        session.output_blobs = list(by_tensor.values())
+        self.param_arrays = tuple(b.data for b in self.params)
+        self.snapshot = net.param_data.copy()
+        while len(self.sessions) >= MAX_SESSIONS:
+            self.sessions.pop(next(iter(self.sessions)))
+        self.sessions[key] = session
+        return session
+
+
+class _Session:
+    """An onnxruntime session and which blobs its outputs fill."""
+
+    def __init__(self, session):
+        self.session = session
+        self.checked = False
+        self.input_names = self.output_names = self.output_blobs = ()
+
+    def run(self, names, feeds):
+        return self.session.run(names, feeds)
+
+
+def _rows_sorted(a):
+    """Detections (1 x 1 x N x 7) in a fixed row order: onnxruntime may order ties otherwise."""
+    if a.ndim == 4 and a.shape[-1] == 7 and a.shape[:2] == (1, 1):
+        rows = a.reshape(-1, 7)
+        return rows[np.lexsort(rows.T[::-1])]
+    return a
+
+
+def _agree(got, want):
+    if got.shape != want.shape:
+        return False
+    got, want = _rows_sorted(got), _rows_sorted(want)
+    scale = float(np.nanmax(np.abs(want))) if want.size else 0.0
+    return bool(np.allclose(got, want, rtol=RTOL, atol=ATOL_OF_SCALE * scale, equal_nan=True))
+
+
+def _first_line(error):
+    text = getattr(error, "message", None) or str(error) or type(error).__name__
+    return text.splitlines()[0]
