@@ -227,7 +227,7 @@ class OnnxForward:
         if self.failed:
             return False
         net = self.net
-        self._plain(self._unread or ())
+        self._plain(net.blob_list if self._unread is None else self._unread)
         if self.exposed and not self._params_unchanged():
             self.sessions = {}
         shapes = tuple(_DATA.__get__(b).shape for b in self.inputs)
