@@ -248,6 +248,50 @@ def test_compiled_batchnorm_and_scale_match_the_numpy_code(dtype):
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_batchnorm_applies_the_scale_after_it_in_training(dtype):
+    """Training's in-place BatchNorm -> Scale: the BatchNorm writes the Scale's map as it
+    normalizes and finishes the Scale's diff in its backward; every blob, diff, parameter
+    diff and running statistic is what the two layers give run apart (a net with a hook runs
+    layer by layer, nothing fused), a channel of scale 0 included, and a backward that stops
+    at the Scale leaves the Scale's own diff."""
+    from caffepar.nn import native
+    applied = native.kernels_for(np.zeros(2, dtype)) is not None    # NumPy's path: apart
+    x = RNG.standard_normal((3, 37, 9, 11))
+    dy = RNG.standard_normal((3, 37, 9, 11))
+    found = {}
+    for fused in (True, False):
+        net = build(CHAIN, TRAIN, dtype)
+        for name, p in net.params.items():
+            for i, b in enumerate(p):
+                b.data[...] = np.random.default_rng(i + len(name)).uniform(-1.5, 1.5, b.shape)
+        net.params["scale"][0].data[5] = 0
+        net.params["bn"][2].data[...] = 1
+        net.params["bn"][1].data[...] = 1
+        if not fused:
+            net.after_forward(lambda i: None)
+        net.blobs["x"].data[...] = x
+        for _ in range(2):
+            net.forward()
+            net.blobs["c"].diff[...] = dy
+            net.clear_param_diffs()
+            net.backward()
+        applies = fused and applied
+        assert net.layers[net.layer_index("bn")].scaled == applies
+        assert net.forward_host(net.layer_index("scale")) == (net.layer_index("bn") if applies
+                                                               else None)
+        found[fused] = [net.blobs["c"].data.copy(), net.blobs["x"].diff.copy()] + \
+            [b.diff.copy() for p in net.params.values() for b in p] + \
+            [b.data.copy() for b in net.params["bn"]]
+        net.blobs["c"].diff[...] = dy
+        net.backward(end="scale")       # the BatchNorm does not run: the Scale writes its diff
+        found[fused].append(net.blobs["c"].diff.copy())
+    tol = 2e-5 if dtype == np.float32 else 1e-12
+    for got, want in zip(found[True], found[False]):
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    np.testing.assert_array_equal(found[True][-1][:, 5], 0)
+
+
 def test_batchnorm_statistics_are_not_learned():
     net = build(net_text("BatchNorm", (2, 3)))
     assert [m[0] for m in net.lr_mults] == [0.0, 0.0, 0.0]

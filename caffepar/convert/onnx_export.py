@@ -933,25 +933,27 @@ def _value_info(helper, name, shape, probe, input_name=None):
     return helper.make_tensor_value_info(name, TensorProto.FLOAT, dims)
 
 
-def _build(net, opset, name, probe=None, fast=False):
+def _build(net, opset, name, probe=None, fast=False, end=None, outputs=None):
     """(model, {Caffe blob: ONNX tensor holding its final value}); `probe`: every blob's shape
     at another input size (None: all sizes fixed); `fast`: written for onnxruntime's speed
-    rather than as Caffe's layers read (an LRN as the steps it takes)."""
+    rather than as Caffe's layers read (an LRN as the steps it takes); `end`, `outputs`: the
+    layers before `end` only, with these blobs (names) as the graph's outputs."""
     _need_onnx()
     import onnx
     from onnx import helper
-    _check_exportable(net.layers)
+    layers = net.layers[:end]
+    _check_exportable(layers)
     shapes = [tuple(b.shape) for b in net.blob_list]
     probe = probe or shapes
     g = _Graph(net)
     g.fast = fast
-    outputs = list(net.outputs)
+    outputs = list(net.outputs if outputs is None else outputs)
     last_writer = {}
-    for i, ids in enumerate(net.top_ids):
+    for i, ids in enumerate(net.top_ids[:len(layers)]):
         for t in ids:
             last_writer[net.blob_names[t]] = i
     current, graph_inputs = {}, []
-    for i, layer in enumerate(net.layers):
+    for i, layer in enumerate(layers):
         g.layer_name = layer.name
         tops = [net.blob_names[t] for t in net.top_ids[i]]
         if layer.type == "Input":

@@ -334,6 +334,7 @@ class Net:
         self._index()
         self._fold_relus()
         self._fold_steps()
+        self._pair_norm_scale()
 
     def _shared_list(self, values):
         """`values` as a SharedList, one object for every equal one (most layers' blob ids and
@@ -366,6 +367,23 @@ class Net:
                     and self.layer_need_backward[c] and self.bottom_need_backward[c][0]
                     and self.layers[c].folds_relu(False, slope)):
                 self.relu_in_consumer[r] = slope
+
+    def _pair_norm_scale(self):
+        """Training's in-place chains BatchNorm (batch statistics) -> Scale (one bottom, its
+        learned map): {BatchNorm index: Scale index} and back. In a pass over both, the
+        BatchNorm applies the Scale's map as it normalizes (forward), and the Scale leaves its
+        diff to the BatchNorm's backward, which needs the same sums (BatchNormLayer)."""
+        from caffepar.nn.common import ScaleLayer
+        from caffepar.nn.normalization import BatchNormLayer
+        self.scale_of_norm, self.norm_of_scale = {}, {}
+        for i in range(len(self.layers) - 1):
+            norm, scale = self.layers[i], self.layers[i + 1]
+            if (type(norm) is BatchNormLayer and type(scale) is ScaleLayer
+                    and not norm.use_global and len(self.bottom_ids[i + 1]) == 1
+                    and self.top_ids[i] == self.bottom_ids[i + 1] == self.top_ids[i + 1]
+                    and not any(norm.loss_weights) and not any(scale.loss_weights)):
+                self.scale_of_norm[i] = i + 1
+                self.norm_of_scale[i + 1] = i
 
     def _fold_steps(self):
         """Which layers run as image steps inside the layer before them
@@ -672,6 +690,8 @@ class Net:
         planned = self.forward_host_table()
         if planned is not None:
             return planned.get(i)
+        if i in self.norm_of_scale and self.layers[i - 1].scaled:
+            return i - 1
         return i - 1 if i in self.relu_in_producer else self.step_forward.get(i)
 
     def forward_host_table(self):
@@ -726,6 +746,7 @@ class Net:
         blobs = self.blob_list
         bottoms = [blobs[k] for k in self.bottom_ids[i]]
         tops = [blobs[k] for k in self.top_ids[i]]
+        scale = None
         if start is None:
             folded = stepped = False
             relu = None
@@ -733,6 +754,16 @@ class Net:
             folded = start < i and i in self.relu_in_producer
             stepped = i in self.step_forward and start <= self.step_forward[i]
             relu = self.relu_in_producer.get(i + 1) if i < end else None
+            if self.scale_of_norm and i < end:
+                s = self.scale_of_norm.get(i)
+                if s is not None:
+                    scale = self.layers[s]
+                    relu_after = self.relu_in_producer.get(s + 1) if s < end else None
+                    if relu_after is not scale.relu_top:
+                        scale.relu_top = relu_after
+            n = self.norm_of_scale.get(i)
+            if n is not None and start <= n and self.layers[n].scaled:
+                folded = True           # the BatchNorm before applied its map
         observers = self.observers
         for o in observers:
             o.layer_start("forward", i)
@@ -742,6 +773,8 @@ class Net:
         # more for a net of 3 million layers after one forward).
         if relu is not layer.relu_top:
             layer.relu_top = relu
+        if scale is not layer.scale_top:
+            layer.scale_top = scale
         with _NO_CHANGE if self._errors_ignored else np.errstate(all="ignore"):
             # non-finite values are Caffe's to carry, ours to report once (the solver's
             # non-finite check)
@@ -790,6 +823,14 @@ class Net:
         relu = self.relu_in_consumer.get(i - 1) if start is not None and i > end else None
         if relu is not layer.relu_bottom:
             layer.relu_bottom = relu
+        n = self.norm_of_scale.get(i)
+        if n is not None:
+            defer = self.layers[n] if (start is not None and n >= end and run
+                                       and self.layer_need_backward[n]
+                                       and self.bottom_need_backward[n][0]
+                                       and self.bottom_need_backward[i][0]) else None
+            if defer is not layer.defer_to:
+                layer.defer_to = defer
         if start is not None and i < start and i in self.relu_in_consumer:
             run = False
         if start is not None and i in self.step_backward and self.step_backward[i] >= end:

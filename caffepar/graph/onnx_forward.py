@@ -39,6 +39,9 @@ RTOL = 1e-4
 ATOL_OF_SCALE = 1e-5
 #: Sessions kept per net (input shapes x outputs), the least recently made dropped first.
 MAX_SESSIONS = 4
+#: Layers run by caffepar after onnxruntime's part, with everything after them: SSD's
+#: DetectionOutput, whose ONNX form settles ties of scores otherwise than Caffe.
+TAIL_TYPES = ("DetectionOutput",)
 
 _DATA = Blob.__dict__["data"]           # the slot itself: reads that tell no one
 _libc = ctypes.CDLL(None)
@@ -90,7 +93,14 @@ class OnnxForward:
         self.sessions = {}
         self.exposed = False            # a parameter was read or set from outside
         self.inputs = [net.blob_list[i] for i in net.input_ids]
-        fixed = set(net.input_ids) | set(net.output_ids)
+        self.tail = next((i for i, layer in enumerate(net.layers) if layer.type in TAIL_TYPES),
+                         None)
+        tail = range(self.tail or len(net.layers), len(net.layers))
+        # Blobs the tail writes (caffepar's code, at every forward) and those it reads from
+        # onnxruntime's part.
+        self.tail_ids = {t for i in tail for t in net.top_ids[i]}
+        self.handoff_ids = {b for i in tail for b in net.bottom_ids[i]} - self.tail_ids
+        fixed = set(net.input_ids) | set(net.output_ids) | self.tail_ids | self.handoff_ids
         self.watched_ids = [i for i in range(len(net.blob_list)) if i not in fixed]
         self.observed = set()           # blob ids read by a user: session outputs
         self._unread = None             # the watched blobs not observed
@@ -256,6 +266,14 @@ class OnnxForward:
                     data = _DATA.__get__(blob)
                 np.copyto(data, result)
                 written.append((blob, data))
+        if self.tail is not None:
+            self.busy += 1
+            try:
+                net.forward_from_to(self.tail, len(net.layers) - 1)
+            finally:
+                self.busy -= 1
+            written += [(net.blob_list[t], _DATA.__get__(net.blob_list[t]))
+                        for t in sorted(self.tail_ids)]
         self.written = written
         if not session.checked:
             return self._check(session)
@@ -296,14 +314,17 @@ class OnnxForward:
         why = self._why_not()
         if why:
             raise RuntimeError(why)
-        model, current = _build(net, 17, None, fast=True)
+        ends = None if self.tail is None else \
+            [net.blob_names[b] for b in sorted(self.handoff_ids | set(net.output_ids))
+             if b not in self.tail_ids]
+        model, current = _build(net, 17, None, fast=True, end=self.tail, outputs=ends)
         outputs = {o.name for o in model.graph.output}
         inputs = {i.name for i in model.graph.input}
         by_tensor = {}
-        for bid in sorted(set(net.output_ids) | key[1]):
+        for bid in sorted((set(net.output_ids) | self.handoff_ids | key[1]) - self.tail_ids):
             name = net.blob_names[bid]
             tensor = current.get(name)
-            if bid in net.output_ids and name in outputs:
+            if name in outputs:
                 tensor = name
             if tensor is None or tensor in inputs:
                 continue

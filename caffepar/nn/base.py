@@ -111,6 +111,10 @@ class Layer:
     #: The negative_slope of an in-place ReLU the net has this call of forward apply to
     #: top[0] as it is written (the ReLU layer itself then does not run), or None.
     relu_top = None
+    #: The in-place Scale whose map this call of forward applies to top[0] as it is written (a
+    #: BatchNorm in training, Net._pair_norm_scale; the Scale itself then does not run), or
+    #: None.
+    scale_top = None
     #: The negative_slope of an in-place ReLU on bottom[0] whose backward this call of backward
     #: applies to bottom[0].diff as it is written (bottom[0].data holds the ReLU's output), or
     #: None.

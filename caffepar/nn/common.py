@@ -9,6 +9,7 @@ from caffepar.blob import canonical_axis
 from caffepar.nn import native
 from caffepar.nn.base import Layer, register
 from caffepar.nn.blas import channel_parts, run_parts
+from caffepar.nn.neuron import relu_forward
 from caffepar.nn.prepared import sequence, view_as
 from caffepar.proto import caffe_pb2
 
@@ -881,6 +882,11 @@ class ScaleLayer(Layer):
     min_bottoms = 1
     max_bottoms = 2
     exact_tops = 1
+    # In training's in-place BatchNorm -> Scale chain (Net.scale_of_norm): the input kept for
+    # backward is the BatchNorm's normalized copy when it applied this layer's map
+    # (borrow_input), and this backward may leave the diff to that BatchNorm (defer_to).
+    borrowed = None
+    defer_to = None
 
     def layer_setup(self, bottom, top):
         p = self.param.scale_param
@@ -928,7 +934,8 @@ class ScaleLayer(Layer):
             saved = None
             if top[0] is bottom[0]:
                 saved = self.saved_input
-                if saved is None or saved.shape != x.shape or saved.dtype != x.dtype:
+                if saved is None or saved.shape != x.shape or saved.dtype != x.dtype or \
+                        saved is self.borrowed:
                     saved = self.saved_input = np.empty_like(x)
             outer, dim, inner = self.dims
             y, s = top[0].data, self._scale(bottom).data
@@ -936,15 +943,28 @@ class ScaleLayer(Layer):
             run_parts(lambda r: k.scale_forward(
                 native.ptr(x), native.ptr(s), _address(b), native.ptr(y), _address(saved),
                 outer, dim, inner, r.start, r.stop), channel_parts(dim))
-            return
-        if top[0] is bottom[0]:
-            self.saved_input = x.copy()
-        outer, dim, inner = self.dims
-        s = self._scale(bottom).data.reshape(1, dim, 1)
-        np.multiply(x.reshape(outer, dim, inner), s, out=top[0].data.reshape(outer, dim, inner))
-        if self.bias_term:
-            bo, bd, bi = self.bias_dims
-            top[0].data.reshape(bo, bd, bi)[...] += self.blobs[-1].data.reshape(1, bd, 1)
+        else:
+            if top[0] is bottom[0]:
+                self.saved_input = x.copy()
+            outer, dim, inner = self.dims
+            s = self._scale(bottom).data.reshape(1, dim, 1)
+            np.multiply(x.reshape(outer, dim, inner), s,
+                        out=top[0].data.reshape(outer, dim, inner))
+            if self.bias_term:
+                bo, bd, bi = self.bias_dims
+                top[0].data.reshape(bo, bd, bi)[...] += self.blobs[-1].data.reshape(1, bd, 1)
+        if self.relu_top is not None:
+            relu_forward(top[0].data, top[0].data, self.relu_top)
+
+    def folds_relu(self, top, slope):
+        """A ReLU in place on its one top in forward, after the map (in the BatchNorm's pass
+        where that applies the map: BatchNormLayer.scale_top)."""
+        return top and len(self.param.bottom) == 1
+
+    def borrow_input(self, norm):
+        """The BatchNorm before this layer wrote its top with this layer's map: its input, kept
+        for backward, is that layer's normalized copy `norm`."""
+        self.saved_input = self.borrowed = norm
 
     def prepare_forward(self, bottom, top):
         outer, dim, inner = self.dims
@@ -998,12 +1018,15 @@ class ScaleLayer(Layer):
         scaled = (learned and self.param_propagate_down[0]) or \
             (not learned and propagate_down[1])
         x = self.saved_input if top[0] is bottom[0] else bottom[0].data
-        gs = np.empty(dim) if scaled else None
-        gb = np.empty(dim) if bias else None
-        dy, dx = top[0].diff, bottom[0].diff if propagate_down[0] else None
+        defer = self.defer_to is not None and propagate_down[0] and learned
+        gs = np.empty(dim) if scaled or defer else None
+        gb = np.empty(dim) if bias or defer else None
+        dy, dx = top[0].diff, bottom[0].diff if propagate_down[0] and not defer else None
         run_parts(lambda r: k.scale_backward(
             native.ptr(dy), native.ptr(x), native.ptr(scale.data), _address(gs), _address(gb),
             _address(dx), outer, dim, inner, r.start, r.stop), channel_parts(dim))
+        if defer:
+            self.defer_to.deferred_scale = (gs, gb, scale.data)
         if bias:
             self.blobs[-1].diff += gb.astype(self.dtype).reshape(self.blobs[-1].shape)
         if scaled:

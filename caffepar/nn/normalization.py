@@ -208,6 +208,12 @@ class BatchNormLayer(Layer):
     exact_tops = 1
     uses_replica_sum = True
     replica_sum = None
+    # Training's in-place BatchNorm -> Scale chain (Net.scale_of_norm): the Scale whose map
+    # this forward may apply as it normalizes (scale_top; `scaled` says whether it did), and
+    # the sums and scale a Scale backward left for this backward to finish its diff with.
+    scale_top = None
+    scaled = False
+    deferred_scale = None
 
     def layer_setup(self, bottom, top):
         p = self.param.batch_norm_param
@@ -240,6 +246,8 @@ class BatchNormLayer(Layer):
         return a.reshape(n, self.channels, -1)
 
     def forward(self, bottom, top):
+        if self.scaled:
+            self.scaled = False
         x = self._view(bottom[0].data)
         y = self._view(top[0].data)
         if self.use_global:
@@ -270,8 +278,32 @@ class BatchNormLayer(Layer):
             norm = self.x_norm = np.empty_like(y)
         n, c, size = x.shape
         ptr = native.ptr
+        affine = self._scale_map(top, x.shape) if self.scale_top is not None else None
+        if affine is not None:
+            g, b = affine
+            slope = self.scale_top.relu_top
+            run_parts(lambda r: k.bn_normalize_affine(
+                ptr(x), ptr(mean), ptr(self.std), ptr(g), 0 if b is None else ptr(b), ptr(y),
+                ptr(norm), slope or 0.0, slope is not None, n, c, size, r.start, r.stop),
+                channel_parts(c))
+            self.scale_top.borrow_input(norm)
+            self.scaled = True
+            return
         run_parts(lambda r: k.bn_normalize(ptr(x), ptr(mean), ptr(self.std), ptr(y), ptr(norm),
                                            n, c, size, r.start, r.stop), channel_parts(c))
+
+    def _scale_map(self, top, shape):
+        """(scale, bias or None) of scale_top where its map is one value per channel of this
+        layer's top, as compiled kernels take them; else None (the Scale runs itself)."""
+        scale = self.scale_top
+        scale.reshape(top, top)
+        if scale.dims != shape or (scale.bias_term and scale.bias_dims != shape):
+            return None
+        g = scale.blobs[0].data
+        b = scale.blobs[-1].data if scale.bias_term else None
+        if native.kernels_for(top[0].data, g, *(() if b is None else (b,))) is None:
+            return None
+        return g, b
 
     def _statistics(self, x, y):
         """(mean, variance, values a channel averages) of the batch, y = x - mean."""
@@ -310,6 +342,7 @@ class BatchNormLayer(Layer):
         return mean, (squares / count).astype(self.dtype), count
 
     def backward(self, top, propagate_down, bottom):
+        deferred, self.deferred_scale = self.deferred_scale, None
         if not propagate_down[0]:
             return
         dy = self._view(top[0].diff)
@@ -320,6 +353,9 @@ class BatchNormLayer(Layer):
         y = self.x_norm
         k = native.kernels_for(dy, y, dx)
         n = y.shape[0] * y.shape[2]
+        if deferred is not None:
+            self._backward_after_scale(k, dy, y, dx, n, *deferred)
+            return
         if k is not None:
             images, c, size = y.shape
             ptr, parts = native.ptr, channel_parts(c)
@@ -346,6 +382,33 @@ class BatchNormLayer(Layer):
         t *= -1.0 / n
         t += dy
         t /= self.std[:, None]
+        dx[...] = t
+
+    def _backward_after_scale(self, k, dy, y, dx, n, a, b, gamma):
+        """The diff through an in-place Scale whose backward left its top's diff dy as it was
+        and the sums a = sum(dy * norm), b = sum(dy) (Scale's own, ScaleLayer.defer_to):
+        with the Scale's diff gamma * dy, the sums are gamma * a and gamma * b, so that dx =
+        (dy - (norm * a + b) / n) / (std / gamma): one pass, none for the Scale's diff nor
+        for this layer's sums."""
+        c = self.channels
+        if self.replica_sum is not None:
+            total = self.replica_sum(np.concatenate([a, b]), "BatchNorm diff")
+            a, b, n = total[:c], total[c:], self.count
+        a, b = a.astype(self.dtype), b.astype(self.dtype)
+        with np.errstate(divide="ignore"):
+            std = (self.std / gamma.reshape(-1)).astype(self.dtype)
+        if k is not None:
+            images, c, size = y.shape
+            ptr = native.ptr
+            run_parts(lambda r: k.bn_backward(ptr(dy), ptr(y), ptr(a), ptr(b), ptr(std),
+                                              ptr(dx), -1.0 / n, images, c, size, r.start,
+                                              r.stop), channel_parts(c))
+            return
+        t = y * a[:, None]
+        t += b[:, None]
+        t *= -1.0 / n
+        t += dy
+        t /= std[:, None]
         dx[...] = t
 
 

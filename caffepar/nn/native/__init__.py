@@ -59,6 +59,7 @@ SIGNATURES = {
     "bn_sums": "pp" + "i" * 5,
     "bn_centered_squares": "ppp" + "i" * 5,
     "bn_normalize": "ppppp" + "i" * 5,
+    "bn_normalize_affine": "ppppppp" + "di" + "i" * 5,
     "bn_diff_sums": "pppp" + "i" * 5,
     "bn_backward": "pppppp" + "d" + "i" * 5,
     "scale_forward": "ppppp" + "i" * 5,
