@@ -348,11 +348,15 @@ class Net:
     def _fold_relus(self):
         """Which in-place ReLUs run inside a neighbour's passes (Layer.folds_relu): in
         forward, inside the layer before that makes their blob (its only top, no loss on it);
-        in backward, inside the layer after that takes it (its only bottom, nothing else
-        reading it). {ReLU index: negative_slope} for each direction; a ReLU folded in a
-        direction does not run itself when its neighbour runs in the same pass."""
+        in backward, inside the layer after that takes it (its only bottom, the only layer
+        reading it that does not write it in place: a BatchNorm and a Scale in place before
+        the ReLU run their backward after the ReLU's either way, and Splits give any other
+        reader of the ReLU's output a blob of its own). {ReLU index: negative_slope} for each
+        direction; a ReLU folded in a direction does not run itself when its neighbour runs in
+        the same pass."""
         self.relu_in_producer, self.relu_in_consumer = {}, {}
-        readers = Counter(b for ids in self.bottom_ids for b in ids)
+        outside = Counter(b for ids, tops in zip(self.bottom_ids, self.top_ids) for b in ids
+                          if b not in tops)
         for r, relu in enumerate(self.layers):
             if (relu.type != "ReLU" or len(self.bottom_ids[r]) != 1
                     or self.top_ids[r] != self.bottom_ids[r] or any(relu.loss_weights)):
@@ -362,7 +366,7 @@ class Net:
             if (p >= 0 and self.top_ids[p] == [blob] and not any(self.layers[p].loss_weights)
                     and self.layers[p].folds_relu(True, slope)):
                 self.relu_in_producer[r] = slope
-            if (c < len(self.layers) and self.bottom_ids[c] == [blob] and readers[blob] == 2
+            if (c < len(self.layers) and self.bottom_ids[c] == [blob] and outside[blob] == 1
                     and blob not in self.top_ids[c] and self.layer_need_backward[r]
                     and self.layer_need_backward[c] and self.bottom_need_backward[c][0]
                     and self.layers[c].folds_relu(False, slope)):
