@@ -39,8 +39,9 @@ RTOL = 1e-4
 ATOL_OF_SCALE = 1e-5
 #: Sessions kept per net (input shapes x outputs), the least recently made dropped first.
 MAX_SESSIONS = 4
-#: Layers run by caffepar after onnxruntime's part, with everything after them: SSD's
-#: DetectionOutput, whose ONNX form settles ties of scores otherwise than Caffe.
+#: Layers caffepar runs after onnxruntime's part, with everything after them, when the whole
+#: net in onnxruntime disagrees with its own forward: SSD's DetectionOutput, whose ONNX form
+#: settles tied scores otherwise than Caffe.
 TAIL_TYPES = ("DetectionOutput",)
 
 _DATA = Blob.__dict__["data"]           # the slot itself: reads that tell no one
@@ -93,17 +94,8 @@ class OnnxForward:
         self.sessions = {}
         self.exposed = False            # a parameter was read or set from outside
         self.inputs = [net.blob_list[i] for i in net.input_ids]
-        self.tail = next((i for i, layer in enumerate(net.layers) if layer.type in TAIL_TYPES),
-                         None)
-        tail = range(self.tail or len(net.layers), len(net.layers))
-        # Blobs the tail writes (caffepar's code, at every forward) and those it reads from
-        # onnxruntime's part.
-        self.tail_ids = {t for i in tail for t in net.top_ids[i]}
-        self.handoff_ids = {b for i in tail for b in net.bottom_ids[i]} - self.tail_ids
-        fixed = set(net.input_ids) | set(net.output_ids) | self.tail_ids | self.handoff_ids
-        self.watched_ids = [i for i in range(len(net.blob_list)) if i not in fixed]
         self.observed = set()           # blob ids read by a user: session outputs
-        self._unread = None             # the watched blobs not observed
+        self._set_tail(None)
         self.pending = False            # watched blobs hold an older forward's values
         self.saved_inputs = None
         self.written = []               # (blob, array) onnxruntime wrote in the last forward
@@ -120,6 +112,19 @@ class OnnxForward:
             self.fail(why)
         else:
             self._watch(pending=False)
+
+    def _set_tail(self, start):
+        """Layers start .. the last run by caffepar after onnxruntime's part (None: none)."""
+        net = self.net
+        self.tail = start
+        tail = range(len(net.layers) if start is None else start, len(net.layers))
+        # Blobs the tail writes (caffepar's code, at every forward) and those it reads from
+        # onnxruntime's part.
+        self.tail_ids = {t for i in tail for t in net.top_ids[i]}
+        self.handoff_ids = {b for i in tail for b in net.bottom_ids[i]} - self.tail_ids
+        fixed = set(net.input_ids) | set(net.output_ids) | self.tail_ids | self.handoff_ids
+        self.watched_ids = [i for i in range(len(net.blob_list)) if i not in fixed]
+        self._unread = None             # the watched blobs not observed
 
     # ------------------------------------------------------------ watching
     def _why_not(self):
@@ -288,6 +293,17 @@ class OnnxForward:
         for blob, got in ort:
             if not _agree(got, _DATA.__get__(blob)):
                 name = self.net.blob_names[self.net.blob_list.index(blob)]
+                tail = next((i for i, layer in enumerate(self.net.layers)
+                             if layer.type in TAIL_TYPES), None)
+                if self.tail is None and tail is not None:
+                    log.info("net %s: onnxruntime's \"%s\" differs from the net's own forward; "
+                             "%s and what follows run in caffepar", self.net.name, name,
+                             self.net.layers[tail].name)
+                    self._plain(self.net.blob_list)
+                    self.sessions = {}
+                    self._set_tail(tail)
+                    self._watch(pending=False)
+                    return True
                 self.fail(f'onnxruntime\'s "{name}" differs from the net\'s own forward')
                 return True
         session.checked = True
