@@ -80,6 +80,12 @@ class _Graph:
         self.initializers.append(self.numpy_helper.from_array(arr, name))
         return name
 
+    def scalar(self, base, value, dtype=np.int64):
+        """A 0-d initializer (const keeps at least one axis), as Range's bounds must be."""
+        name = self.fresh(f"{self.layer_name}/{base}")
+        self.initializers.append(self.numpy_helper.from_array(np.array(value, dtype), name))
+        return name
+
     def ints(self, base, values):
         return self.const(base, np.asarray(values, np.int64).reshape(-1), np.int64)
 
@@ -704,9 +710,8 @@ def _upsample(g, ctx):
         raise ctx.error("SegNet's Upsample over a free height or width is not exported")
     plane = oh * ow
     n = g.node("Slice", [g.node("Shape", [x]), g.ints("first", [0]), g.ints("one", [1])])
-    images = g.node("Range", [g.const("zero", np.array(0, np.int64), np.int64),
-                              g.node("Squeeze", [n, g.ints("axis", [0])]),
-                              g.const("step", np.array(1, np.int64), np.int64)])
+    images = g.node("Range", [g.scalar("zero", 0), g.node("Squeeze", [n, g.ints("axis", [0])]),
+                              g.scalar("step", 1)])
     image_offset = g.node("Mul", [g.node("Reshape", [images, g.ints("column", [-1, 1, 1, 1])]),
                                   g.const("image", np.array(c * plane, np.int64), np.int64)])
     channel_offset = g.const("channel", (np.arange(c) * plane).reshape(1, c, 1, 1), np.int64)
