@@ -218,6 +218,30 @@ layer { name: "relu" type: "ReLU" bottom: "c" top: "c" }
 """
 
 
+def chain_net(dtype, low, high):
+    """CHAIN in training with parameters uniform in [low, high) (constant fillers first: no
+    draws from the fillers' global generator)."""
+    net = build(CHAIN, TRAIN, dtype)
+    for name, p in net.params.items():
+        for i, b in enumerate(p):
+            b.data[...] = np.random.default_rng(i + len(name)).uniform(low, high, b.shape)
+    return net
+
+
+def two_iterations(net, x, dy):
+    """Two forward-backward passes; the top, input diff, parameter diffs and BatchNorm's
+    running statistics after them."""
+    net.blobs["x"].data[...] = x
+    for _ in range(2):
+        net.forward()
+        net.blobs["c"].diff[...] = dy
+        net.clear_param_diffs()
+        net.backward()
+    return [net.blobs["c"].data.copy(), net.blobs["x"].diff.copy()] + \
+        [b.diff.copy() for p in net.params.values() for b in p] + \
+        [b.data.copy() for b in net.params["bn"]]
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_compiled_batchnorm_and_scale_match_the_numpy_code(dtype):
     """The in-place conv -> BatchNorm -> Scale -> ReLU chain of published nets, training: the
@@ -229,20 +253,9 @@ def test_compiled_batchnorm_and_scale_match_the_numpy_code(dtype):
     found = {}
     for path in ("numpy", "native"):
         with native.use(path):
-            net = build(CHAIN, TRAIN, dtype)        # constant fillers: no global draws
-            for name, p in net.params.items():
-                for i, b in enumerate(p):
-                    b.data[...] = np.random.default_rng(i + len(name)).uniform(0.5, 1.5, b.shape)
+            net = chain_net(dtype, 0.5, 1.5)
             net.params["conv"][1].data[...] += 2        # a mean far from 0 for BatchNorm
-            net.blobs["x"].data[...] = x
-            for _ in range(2):
-                net.forward()
-                net.blobs["c"].diff[...] = dy
-                net.clear_param_diffs()
-                net.backward()
-            found[path] = [net.blobs["c"].data.copy(), net.blobs["x"].diff.copy()] + \
-                [b.diff.copy() for p in net.params.values() for b in p] + \
-                [b.data.copy() for b in net.params["bn"]]
+            found[path] = two_iterations(net, x, dy)
     tol = 2e-4 if dtype == np.float32 else 1e-10
     for got, want in zip(found["native"], found["numpy"]):
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
@@ -261,28 +274,17 @@ def test_batchnorm_applies_the_scale_after_it_in_training(dtype):
     dy = RNG.standard_normal((3, 37, 9, 11))
     found = {}
     for fused in (True, False):
-        net = build(CHAIN, TRAIN, dtype)
-        for name, p in net.params.items():
-            for i, b in enumerate(p):
-                b.data[...] = np.random.default_rng(i + len(name)).uniform(-1.5, 1.5, b.shape)
+        net = chain_net(dtype, -1.5, 1.5)
         net.params["scale"][0].data[5] = 0
         net.params["bn"][2].data[...] = 1
         net.params["bn"][1].data[...] = 1
         if not fused:
             net.after_forward(lambda i: None)
-        net.blobs["x"].data[...] = x
-        for _ in range(2):
-            net.forward()
-            net.blobs["c"].diff[...] = dy
-            net.clear_param_diffs()
-            net.backward()
+        found[fused] = two_iterations(net, x, dy)
         applies = fused and applied
         assert net.layers[net.layer_index("bn")].scaled == applies
         assert net.forward_host(net.layer_index("scale")) == (net.layer_index("bn") if applies
                                                                else None)
-        found[fused] = [net.blobs["c"].data.copy(), net.blobs["x"].diff.copy()] + \
-            [b.diff.copy() for p in net.params.values() for b in p] + \
-            [b.data.copy() for b in net.params["bn"]]
         net.blobs["c"].diff[...] = dy
         net.backward(end="scale")       # the BatchNorm does not run: the Scale writes its diff
         found[fused].append(net.blobs["c"].diff.copy())

@@ -765,7 +765,7 @@ class Net:
                     relu_after = self.relu_in_producer.get(s + 1) if s < end else None
                     if relu_after is not scale.relu_top:
                         scale.relu_top = relu_after
-            n = self.norm_of_scale.get(i)
+            n = self.norm_of_scale.get(i) if self.norm_of_scale else None
             if n is not None and start <= n and self.layers[n].scaled:
                 folded = True           # the BatchNorm before applied its map
         observers = self.observers
@@ -827,7 +827,7 @@ class Net:
         relu = self.relu_in_consumer.get(i - 1) if start is not None and i > end else None
         if relu is not layer.relu_bottom:
             layer.relu_bottom = relu
-        n = self.norm_of_scale.get(i)
+        n = self.norm_of_scale.get(i) if self.norm_of_scale else None
         if n is not None:
             defer = self.layers[n] if (start is not None and n >= end and run
                                        and self.layer_need_backward[n]
