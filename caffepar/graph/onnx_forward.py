@@ -28,6 +28,7 @@ from operator import is_
 import numpy as np
 
 from caffepar.blob import Blob
+from caffepar.convert.onnx_export import _first_line
 
 log = logging.getLogger(__name__)
 
@@ -394,7 +395,3 @@ def _agree(got, want):
     scale = float(np.nanmax(np.abs(want))) if want.size else 0.0
     return bool(np.allclose(got, want, rtol=RTOL, atol=ATOL_OF_SCALE * scale, equal_nan=True))
 
-
-def _first_line(error):
-    text = getattr(error, "message", None) or str(error) or type(error).__name__
-    return text.splitlines()[0]
