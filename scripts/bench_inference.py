@@ -70,6 +70,9 @@ RAW = "https://raw.githubusercontent.com/{repo}/{commit}/{path}"
 TOOLS = ("caffepar", "engine", "opencv", "onnxruntime")
 #: The columns of each tool: caffepar, caffepar with the onnxruntime engine, the peers.
 KEY = {"caffepar": "caffepar", "engine": "eng", "opencv": "opencv", "onnxruntime": "ort"}
+#: Each tool's correctness column.
+CHECK = {"caffepar": "caffepar_check", "engine": "engine_check", "opencv": "opencv_check",
+         "onnxruntime": "onnx_check"}
 THROUGHPUT_BATCH = 32
 RTOL = 1e-4
 ATOL_SCALE = 1e-5
@@ -477,7 +480,8 @@ class CaffeparTool:
         onnx = getattr(self.net, "_onnx", None)
         if onnx is None:
             return None
-        return f"its own plan ({onnx.failed})" if onnx.failed else \
+        why = onnx.runs_own_plan()
+        return f"its own plan ({why})" if why else \
             f"onnxruntime {__import__('onnxruntime').__version__}"
 
     def set_input(self, feeds):
@@ -626,6 +630,8 @@ def worker_main(tool, spec):
                     impl.run()
                     times.append(time.perf_counter() - t)
                 answer = {"times": times}
+                if getattr(impl, "engine", None):
+                    answer["ran"] = impl.engine
             elif cmd["cmd"] == "dump":
                 arrays = impl.outputs_now(cmd.get("all_blobs", False))
                 np.savez(cmd["path"], **{f"b{i}": a for i, a in enumerate(arrays.values())})
@@ -766,7 +772,7 @@ def run_net(net, model, args, scratch):
                               load_dump(work / "plain.npz", answer["names"])) +
                 f"; {outs} from {engine_dump['isa'].split(';')[0]}, the others computed when read")
         want = {o: fused[o] for o in spec["outputs"]}
-        for tool, column in (("opencv", "opencv_check"), ("onnxruntime", "onnx_check")):
+        for tool, column in (("opencv", CHECK["opencv"]), ("onnxruntime", CHECK["onnxruntime"])):
             if tool not in workers:
                 continue
             w = workers[tool]
@@ -787,6 +793,8 @@ def run_net(net, model, args, scratch):
         live = [t for t in TOOLS if t in workers and "error" not in workers[t].info]
         lat = {t: [] for t in live}
         thr = {t: [] for t in live}
+        own_plan = {}                   # batch -> why the engine timed its own plan there
+        timing_errors = {}              # (tool, batch) -> the tool's error there
         for r in range(args.rounds):
             order = live[r % len(live):] + live[:r % len(live)]
             for b, store, runs, budget in ((1, lat, args.runs, args.budget),
@@ -798,10 +806,18 @@ def run_net(net, model, args, scratch):
                                          max_runs=1000)
                     if "times" in got:
                         store[t].append(got["times"])
+                    if got.get("ran", "").startswith("its own plan"):
+                        own_plan[b] = got["ran"]
+                    if "error" in got:
+                        timing_errors.setdefault((t, b), got["error"])
             print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{t} {best_median(lat[t][-1:]) * 1e3:.2f} ms, "
                 f"{batch / best_median(thr[t][-1:]):.1f} img/s" for t in live if lat[t]
                 and thr[t]), flush=True)
+        for b, why in sorted(own_plan.items()):
+            row["engine_check"] = row.get("engine_check", "") + f"; timed at batch {b}: {why}"
+        for (t, b), error in sorted(timing_errors.items()):
+            row[CHECK[t]] = row.get(CHECK[t], "") + f"; fails at batch {b}: {error}"
         for t in TOOLS:
             key = KEY[t]
             if t in live and lat[t]:
@@ -809,9 +825,7 @@ def run_net(net, model, args, scratch):
             elif t in workers:
                 row[f"{key}_ms"] = float("nan")
                 if "error" in workers[t].info and not row.get(f"{t}_check", "").startswith("f"):
-                    col = {"opencv": "opencv_check", "onnxruntime": "onnx_check",
-                           "engine": "engine_check"}.get(t, "caffepar_check")
-                    row.setdefault(col, "fails: " + workers[t].info["error"])
+                    row.setdefault(CHECK[t], "fails: " + workers[t].info["error"])
             row[f"{key}_ips"] = (batch / best_median(thr[t]) if t in live and thr[t]
                                  else float("nan"))
     finally:

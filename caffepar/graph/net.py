@@ -602,11 +602,12 @@ class Net:
         end = len(self.layers) - 1 if end is None else end
         onnx = self._onnx
         if onnx is not None and not onnx.busy and not onnx.failed:
-            if start == 0 and end == len(self.layers) - 1 and not self.observers and \
-                    self.inference_enabled() and onnx.forward():
+            whole = start == 0 and end == len(self.layers) - 1
+            if whole and not self.observers and self.inference_enabled() and onnx.forward():
                 self._planned_range = (start, end)
                 return 0.0
-            with onnx.paused():
+            # A whole forward refused at these shapes computes every blob anew.
+            with onnx.paused(materialize=not whole):
                 return self.forward_from_to(start, end)
         plan = self.inference_plan(start, end)
         if plan is not None:

@@ -13,8 +13,9 @@ onnxruntime fuses across blobs a user can read, so what a user reads is kept Caf
   from outside, every forward first compares the parameters with the copy the session was made
   from and makes a new session when they differ;
 * the first forward of every session is checked against the net's own forward (every output
-  within rtol 1e-4 of its scale); a net that cannot be exported, or whose outputs differ, runs
-  its own plan from then on, and the log says why.
+  within rtol 1e-4 of its scale); where they differ the net runs its own plan at those input
+  shapes from then on (other shapes keep their sessions); a net that cannot be exported runs its
+  own plan at every shape; the log says why.
 
 Reads are noticed by class: a watched blob's class is a subclass of Blob (no field added) whose
 `data` tells the engine before giving the array; the engine puts back the plain class when it
@@ -91,6 +92,7 @@ class OnnxForward:
     def __init__(self, net):
         self.net = net
         self.failed = None              # why the net runs its own plan instead
+        self.refused = {}               # input shapes -> why the own plan runs at those
         self.busy = 0                   # the net's own code is running
         self.sessions = {}
         self.exposed = False            # a parameter was read or set from outside
@@ -247,6 +249,8 @@ class OnnxForward:
         if self.exposed and not self._params_unchanged():
             self.sessions = {}
         shapes = tuple(_DATA.__get__(b).shape for b in self.inputs)
+        if shapes in self.refused:
+            return False
         key = (shapes, frozenset(self.observed))
         session = self.sessions.get(key)
         if session is None:
@@ -282,11 +286,11 @@ class OnnxForward:
                         for t in sorted(self.tail_ids)]
         self.written = written
         if not session.checked:
-            return self._check(session)
+            return self._check(session, shapes)
         self._watch(pending=True)
         return True
 
-    def _check(self, session):
+    def _check(self, session, shapes):
         """The session's first forward against the net's own: the own values stay."""
         ort = [(blob, _DATA.__get__(blob).copy()) for blob, _ in self.written]
         self.written = []
@@ -305,11 +309,28 @@ class OnnxForward:
                     self._set_tail(tail)
                     self._watch(pending=False)
                     return True
-                self.fail(f'onnxruntime\'s "{name}" differs from the net\'s own forward')
+                self._refuse(shapes, f'onnxruntime\'s "{name}" differs from the net\'s own '
+                                     'forward')
                 return True
         session.checked = True
         self._watch(pending=False)
         return True
+
+    def _refuse(self, shapes, why):
+        """The own plan runs every forward at these input shapes."""
+        shown = ", ".join("x".join(map(str, s)) for s in shapes)
+        log.warning("net %s runs its own plan at input shape %s, not onnxruntime: %s",
+                    self.net.name, shown, why)
+        self.refused[shapes] = why
+        for key in [k for k in self.sessions if k[0] == shapes]:
+            del self.sessions[key]
+        self._watch(pending=False)
+
+    def runs_own_plan(self):
+        """Why the next forward runs the net's own plan (None: onnxruntime runs it)."""
+        if self.failed:
+            return self.failed
+        return self.refused.get(tuple(_DATA.__get__(b).shape for b in self.inputs))
 
     def _params_unchanged(self):
         if self.snapshot is None:
