@@ -322,24 +322,24 @@ class BatchNormLayer(Layer):
         return mean, np.square(y).mean(axis=(0, 2)), x.size // self.channels
 
     def _compiled_statistics(self, k, x):
-        """_statistics' mean, variance and count from two reads of x (sums in double); y is
-        written by the normalization that follows."""
+        """_statistics' mean, variance and count from one read of x: the sums of the values and
+        of their squares in double (the variance is theirs, not the sum of rounded squared
+        deviations, within a few float roundings of it); y is written by the normalization
+        that follows."""
         n, c, size = x.shape
-        ptr, parts = native.ptr, channel_parts(c)
-        sums = np.empty(c)
-        run_parts(lambda r: k.bn_sums(ptr(x), ptr(sums), n, c, size, r.start, r.stop), parts)
+        ptr = native.ptr
+        sums, squares = np.empty(c), np.empty(c)
+        run_parts(lambda r: k.bn_sums_squares(ptr(x), ptr(sums), ptr(squares), n, c, size,
+                                              r.start, r.stop), channel_parts(c))
         count = n * size
         if self.replica_sum is not None:
-            total = self.replica_sum(np.append(sums, count), "BatchNorm mean")
-            sums, count = total[:-1], int(total[-1])
+            total = self.replica_sum(np.concatenate([sums, squares, [count]]),
+                                     "BatchNorm statistics")
+            sums, squares, count = total[:c], total[c:2 * c], int(total[-1])
             self.count = count
-        mean = (sums / count).astype(self.dtype)
-        squares = np.empty(c)
-        run_parts(lambda r: k.bn_centered_squares(ptr(x), ptr(mean), ptr(squares), n, c, size,
-                                                  r.start, r.stop), parts)
-        if self.replica_sum is not None:
-            squares = self.replica_sum(squares, "BatchNorm variance")
-        return mean, (squares / count).astype(self.dtype), count
+        mean = sums / count
+        var = np.maximum(squares / count - mean * mean, 0.0)
+        return mean.astype(self.dtype), var.astype(self.dtype), count
 
     def backward(self, top, propagate_down, bottom):
         deferred, self.deferred_scale = self.deferred_scale, None
