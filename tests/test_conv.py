@@ -133,6 +133,7 @@ CASES = [
     case(2, 2, (8, 10), 3, (3, 1), (2, 1), (1, 0), (2, 1)),
     case(3, 5, (4, 4), 7, 1),                      # 1x1
     case(2, 3, (40, 40), 4, 1),                    # 1x1, per-image GEMM path
+    case(5, 6, (33, 32), 4, 1, 1, 0, 1, 2),        # 1x1 groups, images in runs
     case(2, 4, (7, 7), 3, 1, 2),                   # 1x1 stride 2
     case(2, 4, (5, 6), 3, 1, 1, 1),                # 1x1 pad 1
     case(1, 2, (4, 4), 3, 2, 1, 2),                # pad >= kernel

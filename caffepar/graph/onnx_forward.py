@@ -91,6 +91,7 @@ class OnnxForward:
 
     def __init__(self, net):
         self.net = net
+        self.name = net.name or "(unnamed)"     # for the log
         self.failed = None              # why the net runs its own plan instead
         self.refused = {}               # input shapes -> why the own plan runs at those
         self.busy = 0                   # the net's own code is running
@@ -150,7 +151,7 @@ class OnnxForward:
 
     def fail(self, why):
         if self.failed is None:
-            log.warning("net %s runs its own plan, not onnxruntime: %s", self.net.name, why)
+            log.warning("net %s runs its own plan, not onnxruntime: %s", self.name, why)
         self.failed = why
         self.sessions = {}
         self._plain(self.net.blob_list)
@@ -302,7 +303,7 @@ class OnnxForward:
                              if layer.type in TAIL_TYPES), None)
                 if self.tail is None and tail is not None:
                     log.info("net %s: onnxruntime's \"%s\" differs from the net's own forward; "
-                             "%s and what follows run in caffepar", self.net.name, name,
+                             "%s and what follows run in caffepar", self.name, name,
                              self.net.layers[tail].name)
                     self._plain(self.net.blob_list)
                     self.sessions = {}
@@ -320,7 +321,7 @@ class OnnxForward:
         """The own plan runs every forward at these input shapes."""
         shown = ", ".join("x".join(map(str, s)) for s in shapes)
         log.warning("net %s runs its own plan at input shape %s, not onnxruntime: %s",
-                    self.net.name, shown, why)
+                    self.name, shown, why)
         self.refused[shapes] = why
         for key in [k for k in self.sessions if k[0] == shapes]:
             del self.sessions[key]

@@ -5,7 +5,7 @@ import math
 import numpy as np
 
 from caffepar.nn.blas import gemm_views as _gemm
-from caffepar.nn.blas import prepare_gemm, scratch
+from caffepar.nn.blas import prepare_gemm, run_parts, scratch, split_parts
 
 #: 1x1 unpadded stride-1 convs on images this large are one GEMM per image.
 POINTWISE_DIRECT_MIN = 1024
@@ -36,12 +36,30 @@ def _subsampled(g, x, key):
     return sub
 
 
+#: The images go to the threads in this many runs, each image's GEMMs single-threaded (a thin
+#: GEMM keeps a core busier alone than split inside the BLAS); dw sums each run's images in
+#: order, then the runs in order, so its sums do not depend on the threads.
+IMAGE_RUNS = 4
+
+
 def forward(x, w, y, group, g=None):
     """1x1 unpadded conv: one GEMM per image straight into y."""
     if g is not None:
         x = _subsampled(g, x, "pw_x")
-    for run in _gemms(x, w, y, group):
-        run()
+    _in_runs(_gemms(x, w, y, group), x.shape[0])()
+
+
+def _in_runs(calls, n):
+    """A call running `calls` (each image's in turn) by runs of images side by side."""
+    if n < 2:
+        return lambda: [call() for call in calls]
+    per = len(calls) // n
+    runs = split_parts(range(n), IMAGE_RUNS)
+
+    def run(images):
+        for call in calls[images.start * per:images.stop * per]:
+            call()
+    return lambda: run_parts(run, runs)
 
 
 def _gemms(x, w, y, group, prepared=False):
@@ -66,16 +84,15 @@ def prepare_forward(g, x, w, y, group):
         calls = _gemms(x, w, y, group, prepared=True)
         if len(calls) == 1:
             return calls[0]
-        return lambda: [run() for run in calls]
+        return _in_runs(calls, x.shape[0])
     sub = np.empty(x.shape[:2] + g.out, x.dtype)
     view = x[(slice(None), slice(None))
              + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(g.out, g.stride))]
-    calls = _gemms(sub, w, y, group, prepared=True)
+    gemms = _in_runs(_gemms(sub, w, y, group, prepared=True), x.shape[0])
 
     def run():
         np.copyto(sub, view)
-        for call in calls:
-            call()
+        gemms()
     return run
 
 
@@ -87,23 +104,33 @@ def backward(dy, x, w, dx, group, need_dw, g=None):
     hw = math.prod(dy.shape[2:])
     dys = dy.reshape(n, o, hw)
     w2 = np.ascontiguousarray(w.reshape(o, cg))
-    dw = np.empty((o, cg), dy.dtype) if need_dw else None
     strided = g is not None and _strided(g)
     xs = (_subsampled(g, x, "pw_x") if strided else x).reshape(n, c, hw) if need_dw else None
     dxs = None
     if dx is not None:
         dxs = (scratch("pw_dx", (n, c, hw), dy.dtype) if strided else dx.reshape(n, c, hw))
-    for i in range(n):
-        for gi in range(group):
-            dyi = dys[i, gi * og:(gi + 1) * og]
-            if need_dw:
-                _gemm(dyi, xs[i, gi * cg:(gi + 1) * cg], dw[gi * og:(gi + 1) * og],
-                      trans_b=True, beta=1.0 if i else 0.0)
-            if dxs is not None:
-                _gemm(w2[gi * og:(gi + 1) * og], dyi, dxs[i, gi * cg:(gi + 1) * cg],
-                      trans_a=True)
+    runs = split_parts(range(n), IMAGE_RUNS)
+    partial = np.empty((len(runs), o, cg), dy.dtype) if need_dw else None
+
+    def run(j):
+        """The images of run j: their share of dw, and their dx."""
+        for i in runs[j]:
+            for gi in range(group):
+                dyi = dys[i, gi * og:(gi + 1) * og]
+                if need_dw:
+                    _gemm(dyi, xs[i, gi * cg:(gi + 1) * cg], partial[j, gi * og:(gi + 1) * og],
+                          trans_b=True, beta=0.0 if i == runs[j].start else 1.0)
+                if dxs is not None:
+                    _gemm(w2[gi * og:(gi + 1) * og], dyi, dxs[i, gi * cg:(gi + 1) * cg],
+                          trans_a=True)
+    run_parts(run, range(len(runs)))
     if dx is not None and strided:
         np.copyto(dx[(slice(None), slice(None))
                      + tuple(slice(0, (o_ - 1) * s + 1, s) for o_, s in zip(g.out, g.stride))],
                   dxs.reshape((n, c) + g.out))
-    return None if dw is None else dw.reshape(w.shape)
+    if not need_dw:
+        return None
+    dw = partial[0]
+    for j in range(1, len(runs)):
+        dw += partial[j]
+    return dw.reshape(w.shape)
