@@ -360,8 +360,9 @@ class BatchNormLayer(Layer):
             images, c, size = y.shape
             ptr, parts = native.ptr, channel_parts(c)
             a, b = np.empty(c), np.empty(c)
-            run_parts(lambda r: k.bn_diff_sums(ptr(dy), ptr(y), ptr(a), ptr(b), images, c, size,
-                                               r.start, r.stop), parts)
+            # Scale's sums (dy * y and dy, no diff): the same read
+            run_parts(lambda r: k.scale_backward(ptr(dy), ptr(y), 0, ptr(a), ptr(b), 0, images,
+                                                 c, size, r.start, r.stop), parts)
             if self.replica_sum is not None:
                 total = self.replica_sum(np.concatenate([a, b]), "BatchNorm diff")
                 a, b, n = total[:c], total[c:], self.count

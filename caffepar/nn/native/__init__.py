@@ -59,7 +59,6 @@ SIGNATURES = {
     "bn_sums_squares": "ppp" + "i" * 5,
     "bn_normalize": "ppppp" + "i" * 5,
     "bn_normalize_affine": "ppppppp" + "di" + "i" * 5,
-    "bn_diff_sums": "pppp" + "i" * 5,
     "bn_backward": "pppppp" + "d" + "i" * 5,
     "scale_forward": "ppppp" + "i" * 5,
     "scale_backward": "pppppp" + "i" * 5,
