@@ -362,6 +362,16 @@ def random_array(rng, shape, dtype, scale=1.0):
     return a
 
 
+def written_array(shape, dtype):
+    """An output array for a timing run, every page of it written: np.empty and np.zeros map
+    fresh pages lazily, and the engine timed first paid for their first touch (on a virtual
+    machine, 25 MB of output cost the depthwise engine, first of the candidates, 10-30 ms, and
+    its place on MobileNet v2's conv2_1/dwise to an engine 3x slower in use)."""
+    a = np.empty(shape, dtype)
+    a.fill(0)
+    return a
+
+
 _disturbed = threading.local()      # .count: timing runs that stayed disturbed
 
 

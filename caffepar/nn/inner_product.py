@@ -85,11 +85,11 @@ class InnerProductLayer(Layer):
         dt = w.dtype
         x = calibrate.random_array(rng, (self.m, self.k), dt)
         if passes == "forward":
-            y = np.empty((self.m, self.num_output), dt)
+            y = calibrate.written_array((self.m, self.num_output), dt)
             return lambda engine: _forward(engine, x, w, None, y)
         dy = calibrate.random_array(rng, (self.m, self.num_output), dt)
-        dx = np.empty_like(x) if passes != "backward no dx" else None
-        dw = np.zeros_like(w) if passes != "backward dx" else None
+        dx = calibrate.written_array(x.shape, dt) if passes != "backward no dx" else None
+        dw = calibrate.written_array(w.shape, dt) if passes != "backward dx" else None
         return lambda engine: _backward(engine, dy, x, w, dx, dw)
 
     def forward(self, bottom, top):

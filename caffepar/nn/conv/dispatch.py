@@ -107,14 +107,14 @@ def _timing_run(shape, n, dt, passes):
     w = calibrate.random_array(rng, (og * group, cg) + kernel, dt, 0.1)
     y_shape = (n, og * group) + g.out
     if passes == "forward":
-        y = np.empty(y_shape, dt)
+        y = calibrate.written_array(y_shape, dt)
 
         def work():
             conv_forward(x, w, None, stride, pad, dilation, group, out=y)
     else:
         dy = calibrate.random_array(rng, y_shape, dt)
         need_dx, need_dw = passes != "backward no dx", passes != "backward dx"
-        dx = np.empty_like(x) if need_dx else None
+        dx = calibrate.written_array(x.shape, dt) if need_dx else None
         gt = _flipped_dx(g, cg) if need_dx else None
         if gt is not None and "im2col" in candidates(g, cg, group, dt):
             _engine(gt, og, cg, group, n, dt, "forward")
