@@ -245,13 +245,13 @@ class OnnxForward:
         """Run the whole net; False where the net's own plan must run it."""
         if self.failed:
             return False
+        shapes = tuple(_DATA.__get__(b).shape for b in self.inputs)
+        if shapes in self.refused:
+            return False                # before the weights' memcmp: the own plan reads them
         net = self.net
         self._plain(net.blob_list if self._unread is None else self._unread)
         if self.exposed and not self._params_unchanged():
             self.sessions = {}
-        shapes = tuple(_DATA.__get__(b).shape for b in self.inputs)
-        if shapes in self.refused:
-            return False
         key = (shapes, frozenset(self.observed))
         session = self.sessions.get(key)
         if session is None:
