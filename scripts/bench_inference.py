@@ -17,8 +17,11 @@ No caffemodel is fetched: every net runs with random weights, saved once as a .c
 all three tools read. Random weights are the prototxt's fillers (MSRA, std sqrt(2 / fan-in),
 for a Convolution, Deconvolution or InnerProduct that names none, whose default of 0 would make
 the net compute zeros), BatchNorm statistics of mean 0 and variance 1 (the forks' BN alike), and
-each detector's class-score convolutions (*_mbox_conf) times the net's `conf_gain`, so that
-some scores pass the DetectionOutput's threshold, and a classifier's last Convolution or
+each softmax detector's class-score convolutions (*_mbox_conf) times the net's `conf_gain`, so
+that some scores beat the background class and pass the DetectionOutput's threshold (sigmoid
+scores pass it without: a gain of 4 would saturate 2517 of MobileNetV2-SSDLite's float32
+sigmoids at exactly 1.0, and its 100 kept detections would be a tie-break among them, no
+longer a result of the net's values), and a classifier's last Convolution or
 InnerProduct scaled to scores of standard deviation 1 (random weights through a deep net make
 a final Softmax exactly one-hot, and every tool's output the same whatever it computed).
 
@@ -32,9 +35,10 @@ on a shared machine falls on every side. Each tool runs --threads threads: caffe
 
 Correctness, at batch 1 on the same random input: every blob of caffepar's TEST forward
 against the same forward with the inference path off (CAFFEPAR_INFERENCE=off, in another
-process), at rtol 1e-4 with an absolute floor of 1e-5 times the blob's largest magnitude; the
-net's outputs from OpenCV and from onnxruntime against caffepar's (detections compared as
-sorted rows of 7). The onnxruntime engine's blobs are checked the same way: its outputs are
+process), at rtol 1e-4 with an absolute floor of 1e-5 times the blob's largest magnitude (a
+sigmoid's, tanh's or softmax's output is also allowed what its input's allowance becomes
+through the function: caffepar/graph/tolerance.py); the net's outputs from OpenCV and from
+onnxruntime against caffepar's (detections compared as sorted rows of 7). The onnxruntime engine's blobs are checked the same way: its outputs are
 onnxruntime's, every other blob is computed by caffepar's own forward when first read (the
 column says how many of each). Where the installed caffepar has no inference path (it does not read
 CAFFEPAR_INFERENCE) both forwards run the same code and the column says so.
@@ -76,6 +80,7 @@ CHECK = {"caffepar": "caffepar_check", "engine": "engine_check", "opencv": "open
 THROUGHPUT_BATCH = 32
 RTOL = 1e-4
 ATOL_SCALE = 1e-5
+CARRIED = "carried allowance of "   # a dump's key of what a blob carries from its inputs
 
 
 @dataclass
@@ -142,7 +147,7 @@ NETS = [
                  "chuanqi305/MobileNetv2-SSDLite", "4032c415d2c85250ba207a173a3b8d7dfb599ae8",
                  "ssdlite/voc/deploy.prototxt",
                  "6b2de35000a573255b90f6c366aaa697451c0d218a16663fc18a7cc12c465b96",
-                 "detection", conf_gain=4.0),
+                 "detection"),        # sigmoid scores: no gain (module docstring)
     PublishedNet("ssd300_vgg16", "SSD300 VGG-16", "VGG_VOC0712_SSD_300x300_deploy.prototxt",
                  "shangzw12/ssd", "f21d8a23426d7a76102bc19fe69f24f6359070d4",
                  "jobs/VGGNet/VOC0712/SSD_300x300/deploy.prototxt",
@@ -276,9 +281,10 @@ def scale_of(a):
     return float(np.max(np.abs(a))) if a.size else 0.0
 
 
-def blob_diff(got, want):
+def blob_diff(got, want, carried=None):
     """(max |got - want| / the blob's largest magnitude, whether they agree at RTOL with the
-    absolute floor ATOL_SCALE x that magnitude)."""
+    absolute floor ATOL_SCALE x that magnitude, plus the allowance `carried` from the blob's
+    inputs through a sigmoid, tanh or softmax: caffepar/graph/tolerance.py)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     if got.shape != want.shape:
         return np.inf, False
@@ -286,8 +292,17 @@ def blob_diff(got, want):
         return 0.0, True
     scale = scale_of(want) or 1.0
     diff = np.abs(got - want)
-    ok = bool(np.all(diff <= RTOL * np.abs(want) + ATOL_SCALE * scale))
+    allowed = RTOL * np.abs(want) + ATOL_SCALE * scale
+    if carried is not None:
+        allowed = allowed + carried
+    ok = bool(np.all(diff <= allowed))
     return float(diff.max() / scale), ok
+
+
+def split_carried(dump):
+    """(blobs, carried allowances) of a caffepar dump."""
+    blobs = {n: a for n, a in dump.items() if not n.startswith(CARRIED)}
+    return blobs, {n[len(CARRIED):]: a for n, a in dump.items() if n.startswith(CARRIED)}
 
 
 def sorted_detections(d):
@@ -295,9 +310,10 @@ def sorted_detections(d):
     return rows[np.lexsort(rows.T[::-1])]
 
 
-def compare_outputs(got, want, detections):
+def compare_outputs(got, want, detections, carried=None):
     """'agrees (...)' or 'differs (...)': another tool's outputs against caffepar's, one
     phrase for all outputs of the net."""
+    carried = carried or {}
     worst, ok, counts = 0.0, True, []
     for name, w in want.items():
         if name not in got:
@@ -310,7 +326,7 @@ def compare_outputs(got, want, detections):
                 return f"differs: {len(g)} detections, caffepar {len(w)}"
         elif np.size(g) == np.size(w):
             g = np.reshape(g, np.shape(w))
-        d, good = blob_diff(g, w)
+        d, good = blob_diff(g, w, None if detections.get(name) else carried.get(name))
         worst, ok = max(worst, d), ok and good
     what = f"{', '.join(map(str, counts))} detections, " if counts else ""
     return f"{'agrees' if ok else 'differs'} ({what}max diff {worst:.1e} of scale)"
@@ -318,13 +334,15 @@ def compare_outputs(got, want, detections):
 
 def compare_blobs(fused, plain):
     """'all N blobs equal (...)' or 'differs: blob ...': every blob of the inference path's
-    forward against the plain one."""
+    forward against the plain one (a dump, with its carried allowances)."""
+    plain, carried = split_carried(plain)
+    fused, _ = split_carried(fused)
     bad, worst = [], 0.0
     for name, want in plain.items():
         if name not in fused:
             bad.append(f"{name} missing")
             continue
-        d, ok = blob_diff(fused[name], want)
+        d, ok = blob_diff(fused[name], want, carried.get(name))
         worst = max(worst, d)
         if not ok:
             bad.append(f"{name} ({d:.1e})")
@@ -502,7 +520,15 @@ class CaffeparTool:
         self.net.forward()
         names = self.outputs + ([n for n in self.net.blobs if n not in self.outputs]
                                 if all_blobs else [])
-        return {n: np.array(self.net.blobs[n].data) for n in names}
+        arrays = {n: np.array(self.net.blobs[n].data) for n in names}
+        if all_blobs:
+            try:
+                from caffepar.graph.tolerance import carried_allowances
+            except ImportError:         # an older caffepar: each blob held to its own rounding
+                return arrays
+            carried = carried_allowances(self.net, arrays.__getitem__)
+            arrays.update((CARRIED + n, a) for n, a in carried.items())
+        return arrays
 
 
 class OpenCVTool:
@@ -774,6 +800,7 @@ def run_net(net, model, args, scratch):
                               load_dump(work / "plain.npz", answer["names"])) +
                 f"; {outs} from {engine_dump.get('ran', '?')}, the others computed when read")
         want = {o: fused[o] for o in spec["outputs"]}
+        carried = split_carried(load_dump(work / "plain.npz", answer["names"]))[1]
         for tool, column in (("opencv", CHECK["opencv"]), ("onnxruntime", CHECK["onnxruntime"])):
             if tool not in workers:
                 continue
@@ -788,7 +815,7 @@ def run_net(net, model, args, scratch):
             theirs = load_dump(work / f"{tool}.npz", got["names"])
             # Outputs in caffepar's order: OpenCV's by layer name, onnxruntime's by top name.
             theirs = dict(zip(spec["outputs"], theirs.values()))
-            row[column] = compare_outputs(theirs, want, detections)
+            row[column] = compare_outputs(theirs, want, detections, carried)
         row["isa"] = " || ".join(f"{t}: {w.info['isa']}" for t, w in workers.items()
                                if "isa" in w.info)
         # Speed: alternating rounds, the order rotating.
@@ -1026,7 +1053,9 @@ def write_results(out, rows, info):
               "caffepar: every blob after the TEST forward against the forward with "
               "`CAFFEPAR_INFERENCE=off`; OpenCV and onnxruntime: the net's outputs against "
               f"caffepar's (detections as sorted rows). Agreement: rtol {RTOL:g}, with an "
-              f"absolute floor of {ATOL_SCALE:g} x the blob's largest magnitude; the diff is "
+              f"absolute floor of {ATOL_SCALE:g} x the blob's largest magnitude, plus, for a "
+              "blob a Sigmoid, TanH or Softmax makes, what its input's allowance becomes "
+              "through the function's slope (caffepar/graph/tolerance.py); the diff is "
               "given as a fraction of that magnitude.", "",
               "| net | layers | caffepar blobs | caffepar blobs, onnxruntime engine | "
               "OpenCV outputs | onnxruntime outputs |",

@@ -35,6 +35,12 @@ def test_compare_blobs_names_what_differs_or_is_missing():
     said = bi.compare_blobs(fused, plain)
     assert said.startswith("2 of 3 blobs differ") and "b (" in said and "c missing" in said
 
+    # A dump's carried allowance (a sigmoid's, from its logits) widens that blob's alone.
+    plain = {"sig": np.full(4, 0.5), "b": np.zeros(4) + 1, bi.CARRIED + "sig": np.full(4, 2e-4)}
+    fused = {"sig": np.full(4, 0.5 + 1.5e-4), "b": np.zeros(4) + 1 + 1.5e-4}
+    said = bi.compare_blobs(fused, plain)
+    assert said.startswith("1 of 2 blobs differ: b (")
+
 
 def test_detections_compare_as_sorted_rows():
     rows = np.array([[0, 1, 0.9, .1, .1, .5, .5], [0, 3, 0.5, .2, .2, .4, .4]], np.float32)

@@ -13,7 +13,8 @@ onnxruntime fuses across blobs a user can read, so what a user reads is kept Caf
   from outside, every forward first compares the parameters with the copy the session was made
   from and makes a new session when they differ;
 * the first forward of every session is checked against the net's own forward (every output
-  within rtol 1e-4 of its scale); where they differ the net runs its own plan at those input
+  within rtol 1e-4, a floor of 1e-5 of its scale and what its inputs' rounding carries through
+  a sigmoid, tanh or softmax: graph/tolerance.py); where they differ the net runs its own plan at those input
   shapes from then on (other shapes keep their sessions); a net that cannot be exported runs its
   own plan at every shape; the log says why.
 
@@ -30,15 +31,12 @@ import numpy as np
 
 from caffepar.blob import Blob
 from caffepar.convert.onnx_export import _first_line
+from caffepar.graph.tolerance import agree, carried_allowances
 
 log = logging.getLogger(__name__)
 
 #: CAFFEPAR_INFERENCE values that choose this engine.
 ENGINE_VALUES = ("onnxruntime", "ort")
-#: Outputs of the first forward of a session against the net's own: |a - b| <= RTOL |b| +
-#: ATOL_OF_SCALE max |b|.
-RTOL = 1e-4
-ATOL_OF_SCALE = 1e-5
 #: Sessions kept per net (input shapes x outputs), the least recently made dropped first.
 MAX_SESSIONS = 4
 #: Layers caffepar runs after onnxruntime's part, with everything after them, when the whole
@@ -297,7 +295,7 @@ class OnnxForward:
         self.written = []
         self._own_forward()
         for blob, got in ort:
-            if not _agree(got, _DATA.__get__(blob)):
+            if not self._agrees(blob, got):
                 name = self.net.blob_names[self.net.blob_list.index(blob)]
                 tail = next((i for i, layer in enumerate(self.net.layers)
                              if layer.type in TAIL_TYPES), None)
@@ -316,6 +314,18 @@ class OnnxForward:
         session.checked = True
         self._watch(pending=False)
         return True
+
+    def _agrees(self, blob, got):
+        want = _DATA.__get__(blob)
+        if got.shape == want.shape and want.ndim == 4 and want.shape[-1] == 7 and \
+                want.shape[:2] == (1, 1):
+            got, want = _rows_sorted(got), _rows_sorted(want)
+        if agree(got, want):
+            return True
+        net = self.net
+        name = net.blob_names[net.blob_list.index(blob)]
+        carried = carried_allowances(net, lambda n: _DATA.__get__(net.blobs[n]), [name])
+        return name in carried and agree(got, want, carried[name])
 
     def _refuse(self, shapes, why):
         """The own plan runs every forward at these input shapes."""
@@ -404,16 +414,5 @@ class _Session:
 
 def _rows_sorted(a):
     """Detections (1 x 1 x N x 7) in a fixed row order: onnxruntime may order ties otherwise."""
-    if a.ndim == 4 and a.shape[-1] == 7 and a.shape[:2] == (1, 1):
-        rows = a.reshape(-1, 7)
-        return rows[np.lexsort(rows.T[::-1])]
-    return a
-
-
-def _agree(got, want):
-    if got.shape != want.shape:
-        return False
-    got, want = _rows_sorted(got), _rows_sorted(want)
-    scale = float(np.nanmax(np.abs(want))) if want.size else 0.0
-    return bool(np.allclose(got, want, rtol=RTOL, atol=ATOL_OF_SCALE * scale, equal_nan=True))
-
+    rows = a.reshape(-1, 7)
+    return rows[np.lexsort(rows.T[::-1])]
