@@ -293,14 +293,34 @@ def test_detection_output_matches_reference(params, ref, cl):
     np.testing.assert_allclose(got[0, 0, :, 3:], want[:, 3:], rtol=1e-6, atol=1e-7)
 
 
-def test_nms_without_the_overlap_table_is_the_same(monkeypatch):
-    """Past PAIRWISE_MAX candidates NMS computes each kept box's overlaps as it goes."""
-    from caffepar.nn import ssd
-    loc, conf, prior = ssd_inputs(2, 40, 4)
+@pytest.mark.parametrize("table", [True, False])
+def test_nms_compiled_and_numpy_are_the_same(table, monkeypatch):
+    """The compiled NMS (each candidate against the kept boxes), the NumPy one with all
+    overlaps at once and, past PAIRWISE_MAX, the NumPy one computing each kept box's overlaps
+    as it goes: the same detections bit for bit, with tied scores, eta < 1, top_k and
+    keep_top_k cutting, and a NaN box (the compiled path leaves that class to NumPy)."""
+    from caffepar.nn import native, ssd
+    if native.kernels(np.float32) is None:
+        pytest.skip("no compiled kernels on this machine")
+    loc, conf, prior = ssd_inputs(2, 300, 4, spread=0.1)
+    conf = np.round(conf, 2)                    # many tied scores
+    loc[1, 17] = np.nan
     feed = {"loc": loc, "conf": conf, "prior": prior}
-    text = detection_net(2, 40, 4, "nms_param { nms_threshold: 0.9 eta: 0.8 } keep_top_k: 50")
+    text = detection_net(2, 300, 4, "nms_param { nms_threshold: 0.7 eta: 0.9 top_k: 200 } "
+                         "keep_top_k: 150 confidence_threshold: 0.05")
+    calls = []
+    compiled = native.Kernels.__getattribute__
+
+    def counted(self, name):
+        if name == "nms_sorted":
+            calls.append(name)
+        return compiled(self, name)
+    monkeypatch.setattr(native.Kernels, "__getattribute__", counted)
     want = run(text, feed, dtype=np.float32).blobs["y"].data.copy()
-    monkeypatch.setattr(ssd, "PAIRWISE_MAX", 0)
+    assert 3 <= len(calls) < 6 and want.shape[2] == 2 * 150  # NaN-box classes: NumPy
+    monkeypatch.setenv("CAFFEPAR_KERNELS", "numpy")
+    if not table:
+        monkeypatch.setattr(ssd, "PAIRWISE_MAX", 0)
     np.testing.assert_array_equal(run(text, feed, dtype=np.float32).blobs["y"].data, want)
 
 

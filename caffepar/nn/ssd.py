@@ -4,6 +4,7 @@ from functools import partial
 
 import numpy as np
 
+from caffepar.nn import native
 from caffepar.nn.base import Layer, register
 from caffepar.proto import caffe_pb2
 
@@ -285,12 +286,20 @@ PAIRWISE_MAX = 2048
 def nms(boxes, sizes, scores, score_threshold, nms_threshold, eta, top_k):
     """Caffe's ApplyNMSFast: the candidates above the threshold, best first (ties by index),
     cut to top_k, each kept when it overlaps no kept box by more than the (adaptive)
-    threshold. Returns the kept indices in that order."""
+    threshold. Returns the kept indices in that order. The compiled kernel compares each
+    candidate with the kept boxes only, in the same float32 roundings; the NumPy code computes
+    all their overlaps at once (a Python loop of small overlaps would cost more)."""
     candidates = np.flatnonzero(scores > score_threshold)
     candidates = candidates[np.argsort(-scores[candidates], kind="stable")]
     if top_k > -1:
         candidates = candidates[:top_k]
     b, s = boxes[candidates], sizes[candidates]
+    k = native.kernels(np.float32)
+    if k is not None and b.dtype == F32 and s.dtype == F32 and not np.isnan(b).any():
+        kept = np.empty(len(candidates), np.int64)
+        count = k.nms_sorted(native.ptr(b), native.ptr(s), len(candidates), nms_threshold, eta,
+                             native.ptr(kept))
+        return candidates[kept[:count]].tolist()
     table = (overlaps(b[:, None], s[:, None], b[None], s[None])
              if len(candidates) <= PAIRWISE_MAX else None)
     # A candidate is kept when its largest overlap with the kept ones is within the threshold.
@@ -381,25 +390,26 @@ class DetectionOutputLayer(Layer):
         sizes = box_sizes(boxes)
         rows = []
         for i in range(num):
-            found = []                                     # (label, index) in output order
+            labels, kept = [], []                          # in output order
             for c in range(self.num_classes):
                 if c == self.background:
                     continue
                 lc = 0 if self.share_location else c
-                scores = conf[i, :, c]
-                kept = nms(boxes[i, lc], sizes[i, lc], scores, self.confidence_threshold,
-                           self.nms_threshold, self.eta, self.top_k)
-                found += [(c, k) for k in kept]
-            if -1 < self.keep_top_k < len(found):
-                scores = np.array([conf[i, k, c] for c, k in found], F32)
-                best = np.argsort(-scores, kind="stable")[:self.keep_top_k]
-                found = [found[j] for j in sorted(best)]
-            for c, k in found:
-                lc = 0 if self.share_location else c
-                rows.append([i, c, conf[i, k, c], *boxes[i, lc, k]])
-        if not rows:
+                found = nms(boxes[i, lc], sizes[i, lc], conf[i, :, c], self.confidence_threshold,
+                            self.nms_threshold, self.eta, self.top_k)
+                labels += [c] * len(found)
+                kept += found
+            labels, kept = np.array(labels, np.int64), np.array(kept, np.int64)
+            scores = conf[i, kept, labels]
+            if -1 < self.keep_top_k < len(kept):
+                best = np.sort(np.argsort(-scores, kind="stable")[:self.keep_top_k])
+                labels, kept, scores = labels[best], kept[best], scores[best]
+            lc = 0 if self.share_location else labels
+            rows.append(np.column_stack([np.full(len(kept), i), labels, scores,
+                                         boxes[i, lc, kept]]).astype(self.dtype))
+        if not sum(map(len, rows)):
             return np.array([[i] + [-1] * 6 for i in range(num)], self.dtype).reshape(-1, 7)
-        return np.array(rows, self.dtype)
+        return np.concatenate(rows)
 
     def forward(self, bottom, top):
         loc, conf, prior = bottom

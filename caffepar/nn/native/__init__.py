@@ -92,6 +92,7 @@ SIGNATURES = {
     "conv_group_forward": "pp",
     "conv_group_dw": "pp",
     "apply_epilogue": "pppiiii",
+    "nms_sorted": "ppiddp",
 }
 
 #: Kernels another kernel runs on the images of its own loop (kernels.c's image_step): their

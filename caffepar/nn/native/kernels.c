@@ -107,6 +107,7 @@ i64 native_regs(void) { return NATIVE_REGS; }
 #include "winograd.inc"
 #include "neuron.inc"
 #include "im2col.inc"
+#include "detection.inc"
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 #include "conv.inc"
@@ -135,6 +136,7 @@ i64 native_regs(void) { return NATIVE_REGS; }
 #include "winograd.inc"
 #include "neuron.inc"
 #include "im2col.inc"
+#include "detection.inc"
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 #include "conv.inc"
