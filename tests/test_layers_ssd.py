@@ -273,6 +273,9 @@ DET_CASES = [
     # clip is OpenCV's field (the res10 face detector's prototxt sets it).
     ("nms_param { nms_threshold: 0.45 top_k: 30 } code_type: CENTER_SIZE clip: true",
      dict(nms=0.45, top_k=30, clip=True), 1),
+    # Scores rounded to tenths: ties at the top_k cut, kept by index.
+    ("nms_param { nms_threshold: 0.6 top_k: 12 } code_type: CENTER_SIZE",
+     dict(nms=0.6, top_k=12, tenths=True), 1),
 ]
 
 
@@ -281,6 +284,9 @@ def test_detection_output_matches_reference(params, ref, cl):
     n, p, c = 2, 40, 4
     cl = c if cl > 1 else 1
     loc, conf, prior = ssd_inputs(n, p, c, cl)
+    ref = dict(ref)
+    if ref.pop("tenths", False):
+        conf = np.round(conf, 1)
     net = run(detection_net(n, p, c, params, cl), {"loc": loc, "conf": conf, "prior": prior},
               dtype=np.float32)
     got = net.blobs["y"].data

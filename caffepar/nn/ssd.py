@@ -290,9 +290,16 @@ def nms(boxes, sizes, scores, score_threshold, nms_threshold, eta, top_k):
     candidate with the kept boxes only, in the same float32 roundings; the NumPy code computes
     all their overlaps at once (a Python loop of small overlaps would cost more)."""
     candidates = np.flatnonzero(scores > score_threshold)
-    candidates = candidates[np.argsort(-scores[candidates], kind="stable")]
-    if top_k > -1:
-        candidates = candidates[:top_k]
+    best = scores[candidates]
+    if -1 < top_k < len(candidates):
+        # The top_k best without sorting them all: those above the top_k-th score, then those
+        # at it in index order (the stable sort's ties).
+        kth = np.partition(best, len(best) - top_k)[len(best) - top_k]
+        above = np.flatnonzero(best > kth)
+        at = np.flatnonzero(best == kth)[:top_k - len(above)]
+        pick = np.sort(np.concatenate([above, at]))
+        candidates, best = candidates[pick], best[pick]
+    candidates = candidates[np.argsort(-best, kind="stable")]
     b, s = boxes[candidates], sizes[candidates]
     k = native.kernels(np.float32)
     if k is not None and b.dtype == F32 and s.dtype == F32 and not np.isnan(b).any():
