@@ -49,6 +49,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session):
+    """test_native_isa's compilations start now, in the background at the lowest priority:
+    they take the core the tests leave idle most of the time, instead of the ~45 s the test
+    would wait for them."""
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__.endswith("test_native_isa") and \
+                "objects" in item.fixturenames:
+            module.start_builds()
+            _started.append(module)
+            break
+
+
+_started = []       # the test modules whose background work ends with the session
+
+
+def pytest_sessionfinish(session):
+    for module in _started:
+        module.stop_builds()
+
+
 def pytest_generate_tests(metafunc):
     """Tests using the kernel_path fixture (whole modules through usefixtures) run on the
     compiled kernels and on the NumPy code."""

@@ -128,12 +128,14 @@ def test_solver_state_cut_anywhere_is_refused(tmp_path, monkeypatch, fmt):
                                               "history blobs"):
             caffe.get_solver("solver.prototxt").restore(state_path)
         return
-    cuts = range(0, len(data))
-    for n in cuts:
+    # One solver for every cut: restore reads and checks the whole file before it sets
+    # anything (a solver built per cut took 90% of the test's time).
+    solver = caffe.get_solver("solver.prototxt")
+    for n in range(0, len(data)):
         with open("cut.solverstate", "wb") as f:
             f.write(data[:n])
         with pytest.raises(SolverError, match="cut short|cannot decode"):
-            caffe.get_solver("solver.prototxt").restore("cut.solverstate")
+            solver.restore("cut.solverstate")
 
 
 def test_truncated_state_on_the_command_line_is_one_line(tmp_path, monkeypatch, capsys):

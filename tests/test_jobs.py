@@ -394,7 +394,10 @@ def test_sigterm_ends_a_job_blocked_by_a_hung_rank_before_a_schedulers_sigkill(t
     job.wait_for("Iteration 20,")
     if fault == "frozen":
         os.kill(pids[1][0], signal.SIGSTOP)
-    time.sleep(2)                           # rank 1 hangs, rank 0 waits
+        time.sleep(2)                       # rank 0 comes to wait for it
+    else:
+        assert wait_until(lambda: (tmp_path / "pids/rank1.hangs").exists(), 30)
+        time.sleep(0.5)                     # rank 0 comes to wait for it
     processes = job.processes()
     t0 = time.monotonic()
     os.killpg(job.proc.pid, signal.SIGTERM)

@@ -3,9 +3,14 @@ built for: compiled (not run) for AVX2 (haswell) and AVX-512 (skylake-avx512), t
 innermost loops hold no vector load or store addressed from the stack, and the whole functions
 few. A tile wider than the target's registers (64-byte vectors on AVX2) or with more live
 vectors than it has spills to the stack, which this finds in the disassembly."""
+import contextlib
+import os
 import re
 import shutil
+import signal
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -63,20 +68,48 @@ def stack_references(fn):
 MARCHES = ("haswell", "skylake-avx512")
 
 
-@pytest.fixture(scope="module")
-def objects(tmp_path_factory):
-    """{march: object file, or why it could not be built}, the two compiled side by side."""
-    if not shutil.which("objdump") or not shutil.which(native.compiler()):
-        pytest.skip("needs a C compiler and objdump")
-    folder = tmp_path_factory.mktemp("isa")
+_builds = {}     # march: (object file, its compiler process), from start_builds()
+
+
+def start_builds():
+    """Start compiling the float kernels for each of MARCHES, side by side, at the lowest CPU
+    priority. conftest starts them as the session begins (the two take some 70 s of CPU, and
+    the suite before this file seldom keeps both cores busy); the fixture then waits for them."""
+    if _builds or not shutil.which("objdump") or not shutil.which(native.compiler()):
+        return
+    folder = Path(tempfile.mkdtemp(prefix="caffepar-isa-"))
     flags = [f for f in native.FLAGS if f not in ("-march=native", "-shared")]
-    jobs = {m: subprocess.Popen([native.compiler(), *flags, f"-march={m}", "-DONLY_F32", "-c",
-                                 "-o", str(folder / f"{m}.o"), str(native.SOURCES / "kernels.c")],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for m in MARCHES}
-    outputs = {m: job.communicate()[0] for m, job in jobs.items()}
-    return {m: folder / f"{m}.o" if job.returncode == 0 else outputs[m][:200]
-            for m, job in jobs.items()}
+    for m in MARCHES:
+        path = folder / f"{m}.o"
+        with open(path.with_suffix(".log"), "w") as log:
+            _builds[m] = path, subprocess.Popen(
+                [native.compiler(), *flags, f"-march={m}", "-DONLY_F32", "-c", "-o", str(path),
+                 str(native.SOURCES / "kernels.c")], stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=lambda: os.nice(19))
+
+
+def stop_builds():
+    """End the compilers still running (the session ends) and remove their folder."""
+    for path, job in _builds.values():
+        if job.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+        shutil.rmtree(path.parent, ignore_errors=True)
+    _builds.clear()
+
+
+@pytest.fixture(scope="module")
+def objects():
+    """{march: object file, or why it could not be built}."""
+    start_builds()          # not started yet: this file's tests alone
+    if not _builds:
+        pytest.skip("needs a C compiler and objdump")
+    for _path, job in _builds.values():     # needed now: back to this process's priority
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PGRP, job.pid, os.getpriority(os.PRIO_PROCESS, 0))
+    return {m: path if job.wait() == 0 else path.with_suffix(".log").read_text()[:200]
+            for m, (path, job) in _builds.items()}
 
 
 @pytest.mark.parametrize("march", MARCHES)

@@ -5,7 +5,8 @@ number, "do": "hang" | "exit0" | "sys.exit" | "memory" | "raise" | "nan" | "slow
 "gil" (sleeps `seconds` in C holding the GIL) | "segv" (reads address 0: a real segmentation
 fault)}. With "pids", every rank writes
 `rank<r>.pid` ("pid manager-pid") there at setup, so a test can kill a rank or its process manager
-(the rank's parent, or its supervising parent's parent).
+(the rank's parent, or its supervising parent's parent), and a rank that hangs writes
+`rank<r>.hangs` there first.
 """
 import ctypes
 import json
@@ -56,6 +57,8 @@ class Fault(caffe.Layer):
         if self.conf.get("rank") in (self.rank, "all") and self.calls == self.conf.get("at"):
             what = self.conf["do"]
             if what == "hang":
+                if self.conf.get("pids"):       # for a test to wait on, not a guessed time
+                    open(os.path.join(self.conf["pids"], f"rank{self.rank}.hangs"), "w").close()
                 time.sleep(3600)
             elif what == "slow":
                 time.sleep(self.conf.get("seconds", 1))

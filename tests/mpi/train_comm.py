@@ -21,8 +21,8 @@ from caffepar.parallel.data_parallel import make_parallel_solver  # noqa: E402
 from caffepar.parallel.options import CommOptions  # noqa: E402
 from caffepar.proto import caffe_pb2  # noqa: E402
 
-ITERATIONS = 8
-RESUME_AT = 4
+ITERATIONS = 4
+RESUME_AT = 2
 NET_MODES = {"cifar10_quick": "data", "alexnet_small": "mixed"}
 
 
