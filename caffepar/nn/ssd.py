@@ -291,6 +291,8 @@ def nms(boxes, sizes, scores, score_threshold, nms_threshold, eta, top_k):
     all their overlaps at once (a Python loop of small overlaps would cost more)."""
     candidates = np.flatnonzero(scores > score_threshold)
     best = scores[candidates]
+    if top_k == 0:
+        return []
     if -1 < top_k < len(candidates):
         # The top_k best without sorting them all: those above the top_k-th score, then those
         # at it in index order (the stable sort's ties).
