@@ -14,9 +14,9 @@ onnxruntime fuses across blobs a user can read, so what a user reads is kept Caf
   from and makes a new session when they differ;
 * the first forward of every session is checked against the net's own forward (every output
   within rtol 1e-4, a floor of 1e-5 of its scale and what its inputs' rounding carries through
-  a sigmoid, tanh or softmax: graph/tolerance.py); where they differ the net runs its own plan at those input
-  shapes from then on (other shapes keep their sessions); a net that cannot be exported runs its
-  own plan at every shape; the log says why.
+  a sigmoid, tanh or softmax: graph/tolerance.py); where they differ the net runs its own plan
+  at those input shapes from then on (other shapes keep their sessions); a net that cannot be
+  exported runs its own plan at every shape; the log says why.
 
 Reads are noticed by class: a watched blob's class is a subclass of Blob (no field added) whose
 `data` tells the engine before giving the array; the engine puts back the plain class when it

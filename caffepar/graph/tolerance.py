@@ -4,8 +4,7 @@ the rule the onnxruntime engine's check and the inference benchmark apply.
 A blob's own rounding is allowed RTOL |b| + ATOL_OF_SCALE max |b|. A blob that a sigmoid, tanh
 or softmax makes from another also carries its input's allowance through the function's slope:
 float32 knows a logit of scale 46 to about 1e-5 of that scale (5e-4), so its sigmoid near 0.5
-is known to 1.2e-4 only -- more than 1e-4 of 0.5 -- whichever float32 code computed it (a
-float64 forward of MobileNetV2-SSDLite shows the net's own float32 forward that far off too).
+is known to 1.2e-4 only -- more than 1e-4 of 0.5 -- whichever float32 code computed it.
 Layers that only move values (Flatten, Reshape, Permute, Concat, Split) move the carried
 allowance with them. Nothing else carries one, nor does a function in place (its input is
 gone): those are held to their own rounding.

@@ -304,7 +304,7 @@ def nms(boxes, sizes, scores, score_threshold, nms_threshold, eta, top_k):
     candidates = candidates[np.argsort(-best, kind="stable")]
     b, s = boxes[candidates], sizes[candidates]
     k = native.kernels(np.float32)
-    if k is not None and b.dtype == F32 and s.dtype == F32 and not np.isnan(b).any():
+    if k is not None and not np.isnan(b).any():
         kept = np.empty(len(candidates), np.int64)
         count = k.nms_sorted(native.ptr(b), native.ptr(s), len(candidates), nms_threshold, eta,
                              native.ptr(kept))
